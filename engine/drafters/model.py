@@ -1,0 +1,95 @@
+"""A draft model: any causal LM with the target's vocabulary, run over its own slot KV cache.
+
+Cache bookkeeping (the draft cache holds positions [0, draft_len) of the sequence):
+  * ``add`` prefills the whole prompt.
+  * ``propose`` first feeds the tokens the draft has not seen (the last emitted token, plus the
+    last drafted token and the bonus token after an all-accepted round), samples d_1, then feeds
+    d_1..d_{K-1} one at a time. d_K is never fed.
+  * ``commit`` rolls the draft cache back to the prefix that agrees with the new sequence:
+    ``min(draft_len, len(tokens) - 1)``. After an all-accepted round that leaves d_K and the bonus
+    token unseen; the next ``propose`` takes them in (the catch-up feed).
+The same class serves the target itself as its own draft and its first N layers ("early exit").
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model_runner import ModelRunner
+from ..sampling import logits_to_probs
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+
+
+class TokenizerMismatchError(ValueError):
+    pass
+
+
+def check_same_vocab(target_tok, draft_tok) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise TokenizerMismatchError(
+            "the draft model's tokenizer differs from the target's: a draft model must share the "
+            "target's vocabulary (use the n-gram drafter, or a draft model of the same family)")
+
+
+class ModelDrafter(Drafter):
+    samples = True
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, name: str = "draft_model"):
+        self.runner, self.vocab_size, self.name = runner, vocab_size, name
+
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    def add(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.cache.allocate(s.slot)
+            self.runner.forward([s.prompt_ids], [s.slot])
+            self.cache.commit(s.slot, len(s.prompt_ids))
+
+    def remove(self, seq: Sequence) -> None:
+        self.cache.free(seq.slot)
+
+    def propose(self, seqs: list[Sequence], ks: list[int], noise: torch.Tensor | None) -> Proposal:
+        dev = self.runner.device
+        kmax = max(ks)
+        tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
+        probs = torch.zeros(len(seqs), kmax, self.vocab_size, device=dev)  # [batch, K, vocab]
+        rows = [b for b, k in enumerate(ks) if k > 0]
+        if not rows:
+            return Proposal(tokens, list(ks), probs)
+        cache = self.cache
+        temp = torch.tensor([seqs[b].params.temperature or 1.0 for b in rows], device=dev)
+        top_k = torch.tensor([seqs[b].params.top_k for b in rows], device=dev)
+        top_p = torch.tensor([seqs[b].params.top_p for b in rows], device=dev)
+        greedy = torch.tensor([seqs[b].params.greedy for b in rows], device=dev)
+        feed: list[list[int]] | torch.Tensor = [
+            seqs[b].tokens[cache.lengths[seqs[b].slot]:] for b in rows]  # catch-up feed
+        counts = [len(f) for f in feed]
+        for j in range(kmax):
+            active = [i for i, b in enumerate(rows) if ks[b] > j]
+            if len(active) < len(rows):  # rows whose K is reached leave the draft batch
+                rows = [rows[i] for i in active]
+                idx = torch.tensor(active, device=dev)
+                temp, top_k, top_p, greedy = temp[idx], top_k[idx], top_p[idx], greedy[idx]
+                feed, counts = feed[idx], [counts[i] for i in active]
+            slots = [seqs[b].slot for b in rows]
+            logits = self.runner.forward(feed, slots, counts=counts)[:, :self.vocab_size]  # [rows, vocab]
+            for s, n in zip(slots, counts):
+                cache.commit(s, cache.lengths[s] + n)
+            q = logits_to_probs(logits[:, None], temp, top_k, top_p)[:, 0]  # [rows, vocab]
+            row_t = torch.tensor(rows, device=dev)
+            if noise is not None:
+                sampled = (q / noise[row_t, j]).argmax(-1)
+                tok = torch.where(greedy, q.argmax(-1), sampled)
+            else:
+                tok = q.argmax(-1)
+            tokens[row_t, j] = tok
+            probs[row_t, j] = q
+            feed, counts = tok[:, None], [1] * len(rows)  # [rows, 1]
+        # d_K was fed only if some row drafted past it: commit() trims to the agreed prefix.
+        return Proposal(tokens, list(ks), probs)
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.cache.rollback(s.slot, min(self.cache.lengths[s.slot], s.num_tokens - 1))

@@ -1,0 +1,47 @@
+"""N-gram prompt lookup: no model, drafts by copying what followed the last n tokens earlier in
+the prompt + output (longest n first). Deterministic, so its q is one-hot."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..sequence import Sequence
+from .base import Drafter, Proposal
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix
+    n-gram (max_n down to min_n) of ``tokens``; a match with a full k-token continuation is
+    preferred to a more recent, shorter one."""
+    length = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[:-1], n)  # [length - n, n]: every earlier n-gram
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size == 0:
+            continue
+        starts = hits + n  # where each match's continuation begins
+        full = starts[starts + k <= length]
+        start = int(full[-1]) if full.size else int(starts[0])
+        return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+    samples = False
+
+    def __init__(self, device: torch.device | str = "cpu", min_n: int = 1, max_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= ngram min_n <= max_n")
+        self.device, self.min_n, self.max_n = torch.device(device), min_n, max_n
+
+    def propose(self, seqs: list[Sequence], ks: list[int], noise=None) -> Proposal:
+        drafts = [ngram_lookup(np.asarray(s.tokens), k, self.min_n, self.max_n) if k > 0 else []
+                  for s, k in zip(seqs, ks)]
+        width = max([len(d) for d in drafts] + [0])
+        padded = [d + [0] * (width - len(d)) for d in drafts]
+        tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(len(seqs), width)
+        return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None, tokens_host=drafts)

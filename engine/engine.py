@@ -1,0 +1,249 @@
+"""The speculative engine: one ``step()`` = admit + prefill new sequences, then one round.
+
+A round, for every running sequence at once, reads top to bottom:
+  1. plan     -- the one loop over the batch: each row's K (capped by its remaining tokens and
+                 the context), and its random draws from its own seeded generator.
+  2. propose  -- the drafter proposes up to K_i tokens per row (ragged).
+  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row.
+  4. accept   -- :func:`rejection_sample` (terms: accepted, recovered, bonus; see rejection.py);
+                 the one device->host sync of the round reads its result.
+  5. commit   -- append the emitted tokens (cut at EOS / stop ids / max_tokens / context), commit
+                 the target cache to ``len(tokens) - 1`` and let the drafter roll its cache back.
+Invariant between rounds: the target cache of a running sequence holds every token but the last
+one, which is fed as the first verify token of the next round.
+
+The random draws of a row depend only on its own K in that round (never on the batch), so a
+seeded request reproduces whatever else runs beside it, as long as its K sequence is the same.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters.base import Drafter
+from .model_runner import ModelRunner
+from .rejection import rejection_sample
+from .sampling import SamplingParams, logits_to_probs
+from .sequence import RoundStats, Sequence, SpecParams, Status
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: RoundStats | None = None  # None for the token sampled from the prefill
+    seq: Sequence | None = field(default=None, repr=False)
+
+
+class SpecEngine:
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, eos_token_ids: list[int],
+                 max_prefill_per_step: int = 4):
+        self.target, self.drafter = target, drafter
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_prefill_per_step = max_prefill_per_step
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.device = target.device
+        self.vocab_size = target.vocab_size
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    spec: SpecParams | None = None) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.target.max_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context "
+                             f"({self.target.max_len} tokens)")
+        if not all(0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError("prompt token id outside the vocabulary")
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        seq = Sequence(request_id, list(prompt_ids), params, spec or SpecParams(), gen)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                return True
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self._finish(seq, "abort")
+                self.running.remove(seq)
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 spec: SpecParams | list[SpecParams] | None = None,
+                 on_step=None) -> list[Sequence]:
+        """Run ``prompts`` together to completion (tests, benchmarks, the CLI demo)."""
+        n = len(prompts)
+        params = params if isinstance(params, list) else [params] * n
+        spec = spec if isinstance(spec, list) else [spec or SpecParams()] * n
+        seqs = [self.add_request(f"gen-{i}", p, sp, s)
+                for i, (p, sp, s) in enumerate(zip(prompts, params, spec))]
+        while self.has_work():
+            outs = self.step()
+            if on_step:
+                on_step(outs)
+        return seqs
+
+    # -- one engine step --------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs = self._admit()
+        if self.running:
+            outputs += self._round(self.running)
+            self.running = [s for s in self.running if s.status is Status.RUNNING]
+        return outputs
+
+    def _admit(self) -> list[StepOutput]:
+        cache = self.target.cache
+        new: list[Sequence] = []
+        while self.waiting and cache.num_free() and len(new) < self.max_prefill_per_step:
+            seq = self.waiting.popleft()
+            seq.slot = cache.allocate()
+            seq.status = Status.RUNNING
+            new.append(seq)
+        if not new:
+            return []
+        logits = torch.cat([self.target.forward([s.prompt_ids], [s.slot]) for s in new])  # [new, vocab]
+        for s in new:
+            cache.commit(s.slot, len(s.prompt_ids))
+        if self.drafter is not None:
+            self.drafter.add(new)
+        ks = [0] * len(new)
+        _, uniforms, noise = self._plan_draws(new, ks, draft_noise=False)
+        probs = self._probs(new, logits[:, None])  # [new, 1, vocab]
+        empty = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
+        _, next_tok = rejection_sample(probs, empty, torch.zeros(len(new), dtype=torch.long,
+                                       device=self.device), None, self._greedy(new), uniforms, noise)
+        outputs = []
+        for s, tok in zip(new, next_tok.tolist()):
+            s.target_passes += 1
+            emitted = self._append(s, [tok])
+            outputs.append(StepOutput(s.request_id, emitted, s.status is Status.FINISHED,
+                                      s.finish_reason, None, s))
+        self.running += new
+        self.running = [s for s in self.running if s.status is Status.RUNNING]
+        return outputs
+
+    def _round(self, seqs: list[Sequence]) -> list[StepOutput]:
+        # 1. plan: K per row and its random draws (the one loop over the batch)
+        ks = [self._k_for(s) for s in seqs]
+        sample_drafts = self.drafter is not None and self.drafter.samples
+        draft_noise, uniforms, noise = self._plan_draws(seqs, ks, draft_noise=sample_drafts)
+        # 2. propose
+        t0 = time.perf_counter()
+        if self.drafter is not None and any(ks):
+            prop = self.drafter.propose(seqs, ks, draft_noise)
+            drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs
+        else:
+            drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+            num_draft, draft_probs = [0] * len(seqs), None
+        kmax = drafts.shape[1]
+        t1 = time.perf_counter()
+        # 3. verify: one target pass over [last token, d_1..d_K] per row
+        last = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)  # [batch, 1]
+        verify_ids = torch.cat([last, drafts], dim=1)  # [batch, K+1]
+        logits = self.target.forward(verify_ids, [s.slot for s in seqs],
+                                     counts=[n + 1 for n in num_draft], logits="all")
+        probs = self._probs(seqs, logits)  # [batch, K+1, vocab]
+        # 4. accept
+        num_t = torch.tensor(num_draft, device=self.device)
+        num_acc, next_tok = rejection_sample(probs, drafts, num_t, draft_probs, self._greedy(seqs),
+                                             uniforms[:, :kmax], noise)
+        # the one device->host sync of the round
+        host = torch.cat([num_acc[:, None], next_tok[:, None], drafts], dim=1).tolist()
+        t2 = time.perf_counter()
+        # 5. commit / rollback
+        outputs = []
+        for s, k, nd, row in zip(seqs, ks, num_draft, host):
+            a, tok, drafted = row[0], row[1], row[2:2 + row[0]]
+            s.drafted += nd
+            s.accepted += a
+            s.target_passes += 1
+            emitted = self._append(s, drafted + [tok])
+            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, t2 - t1)
+            outputs.append(StepOutput(s.request_id, emitted, s.status is Status.FINISHED,
+                                      s.finish_reason, stats, s))
+        if self.drafter is not None:
+            self.drafter.commit([s for s in seqs if s.status is Status.RUNNING])
+        return outputs
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _k_for(self, s: Sequence) -> int:
+        if self.drafter is None or not s.spec.enabled:
+            return 0
+        # never draft past max_tokens (a round emits at most K+1) or past the context
+        return max(0, min(s.spec.k, s.remaining - 1, self.target.max_len - s.num_tokens))
+
+    def _plan_draws(self, seqs: list[Sequence], ks: list[int], draft_noise: bool):
+        """Each row's random draws from its own generator, in a fixed order: draft noise
+        [K_i, vocab], acceptance uniforms [K_i], recovery/bonus noise [vocab]."""
+        B, kmax, V, dev = len(seqs), max(ks + [0]), self.vocab_size, self.device
+        dn = torch.ones(B, kmax, V, device=dev) if draft_noise else None  # [batch, K, vocab]
+        uniforms = torch.zeros(B, kmax, device=dev)  # [batch, K]
+        noise = torch.ones(B, V, device=dev)  # [batch, vocab]
+        for b, (s, k) in enumerate(zip(seqs, ks)):
+            if s.params.greedy:
+                continue
+            g = s.generator
+            if dn is not None and k:
+                dn[b, :k].exponential_(generator=g)
+            if k:
+                uniforms[b, :k] = torch.rand(k, generator=g, device=dev)
+            noise[b].exponential_(generator=g)
+        return dn, uniforms, noise
+
+    def _probs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        dev = self.device
+        temp = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev)
+        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+        return logits_to_probs(logits, temp, top_k, top_p)
+
+    def _greedy(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([s.params.greedy for s in seqs], device=self.device)
+
+    def _append(self, s: Sequence, tokens: list[int]) -> list[int]:
+        """Append ``tokens`` up to the first stop condition; finish the sequence if one hit."""
+        stops = set(s.params.stop_token_ids)
+        if not s.params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        limit = min(s.remaining, self.target.max_len - s.num_tokens)
+        out, reason = [], None
+        for t in tokens:
+            out.append(t)
+            if t in stops:
+                reason = "stop"
+                break
+            if len(out) >= limit:
+                reason = "length"
+                break
+        s.output_ids += out
+        if reason is None and s.num_tokens >= self.target.max_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(s, reason)
+        else:
+            self.target.cache.commit(s.slot, s.num_tokens - 1)
+        return out
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        s.status, s.finish_reason = Status.FINISHED, reason
+        if s.slot >= 0:
+            if self.drafter is not None:
+                self.drafter.remove(s)
+            self.target.cache.free(s.slot)
+            s.slot = -1

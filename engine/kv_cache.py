@@ -1,0 +1,76 @@
+"""Slot-based static KV cache, shared layout for target and draft models.
+
+Why not transformers' cache classes: a speculative round needs *ragged* rows (each row its own
+length, its own number of new tokens, its own number of accepted tokens) and cheap rollback. With a
+preallocated slot per running sequence, rollback is just "set the row's length back"; positions
+past a row's length hold stale values that the causal mask by position never lets a valid query
+read, and the next write overwrites them. The shapes are static (``[slots, kv_heads, max_len + 1,
+head_dim]`` per layer), which is what the fast-forward path (torch.compile / CUDA graphs) needs.
+
+Column ``max_len`` of every slot is a scratch column: padded query positions (rows shorter than
+the longest row of a batch forward) write there, so padding never touches real positions.
+The committed lengths live on the host as Python ints: they are bookkeeping, never a device sync.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 max_len: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
+        shape = (num_layers, num_slots, kv_heads, max_len + 1, head_dim)
+        # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
+        # uninitialised memory may hold NaN (0 * NaN = NaN).
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, max_len+1, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+
+    @property
+    def scratch_pos(self) -> int:
+        return self.max_len
+
+    @property
+    def bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, slot: int | None = None) -> int:
+        """Take a free slot (a specific one when given: a draft cache mirrors the target's)."""
+        if slot is None:
+            if not self._free:
+                raise CacheFullError("no free KV cache slot")
+            slot = self._free.pop()
+        else:
+            self._free.remove(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            return
+        self.lengths[slot] = 0
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def used_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget every position >= ``length`` (they stay in memory but are never read again)."""
+        if length > self.lengths[slot]:
+            raise ValueError(f"rollback to {length} past committed length {self.lengths[slot]}")
+        self.lengths[slot] = length
+
+    def commit(self, slot: int, length: int) -> None:
+        if length > self.max_len:
+            raise ValueError(f"length {length} exceeds the cache's max_len {self.max_len}")
+        self.lengths[slot] = length

@@ -1,0 +1,62 @@
+"""Sampling parameters and the logits -> probabilities transform shared by target and draft.
+
+The same transform (temperature, then top-k, then top-p) is applied to the target's and the draft
+model's logits, so the rejection rule compares the two distributions the user actually asked for.
+Greedy (temperature 0) rows are handled by argmax in the rejection rule; their probabilities are
+computed at temperature 1 so that logprobs stay meaningful.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Engine-side sampling parameters (the HTTP layer converts its request into these)."""
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> off
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor) -> torch.Tensor:
+    """``logits`` [batch, t, vocab]; per-row ``temperature``/``top_p`` float [batch] and ``top_k``
+    long [batch] (0 = off). Greedy rows must come with temperature 1. Returns probs [batch, t, vocab]."""
+    logits = logits / temperature[:, None, None]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [batch, t, vocab]
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    remove = ranks[None, None, :] >= k[:, None, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # drop a token when the mass strictly before it already reaches top_p (the first always stays)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
