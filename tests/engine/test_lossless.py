@@ -1,0 +1,141 @@
+"""Lossless on the real SmolLM2-135M (fp32): speculative greedy output is token-for-token the
+target-only greedy output (transformers' own generate() as the independent reference), for each
+drafter, alone and batched; the KV caches after every round equal a fresh prefill; seeded
+sampling reproduces."""
+import pytest
+import torch
+
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams, Status
+from loadtest.datasets import encode, human_eval, mt_bench
+
+pytestmark = pytest.mark.real_model
+MAX_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def prompts(real_fp32):
+    _, tok = real_fp32
+    mt = {p.category: p for p in mt_bench()}  # one per category, last of each
+    chosen = [mt[c] for c in ("coding", "extraction", "writing", "reasoning")] + human_eval()[:4]
+    return [encode(tok, p) for p in chosen]
+
+
+@pytest.fixture(scope="module")
+def reference(real_fp32, prompts):
+    model, tok = real_fp32
+    out = []
+    for ids in prompts:
+        g = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        out.append(g[0, len(ids):].tolist())
+    return out
+
+
+def engine_for(real_fp32, method, **drafter):
+    cfg = EngineConfig.from_dict({"model": {"dtype": "float32"}, "max_running": 8,
+                                  "max_model_len": 1024, "drafter": {"method": method, **drafter}})
+    return build_engine(cfg, real_fp32).engine
+
+
+def assert_same(seqs, reference):
+    for i, (s, ref) in enumerate(zip(seqs, reference)):
+        assert s.output_ids == ref, f"prompt {i}: speculative output differs from plain greedy"
+
+
+def run_each(engine, prompts, k, on_step=None):
+    return [engine.generate([p], GREEDY, SpecParams(k=k), on_step=on_step)[0] for p in prompts]
+
+
+def test_plain_engine_equals_transformers_generate(real_fp32, prompts, reference):
+    assert_same(run_each(engine_for(real_fp32, "none"), prompts, 0), reference)
+
+
+def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
+    seqs = run_each(engine_for(real_fp32, "ngram"), prompts, k=5)
+    assert_same(seqs, reference)
+    assert sum(s.accepted for s in seqs) > 0 and sum(s.drafted for s in seqs) > 0
+
+
+def test_self_draft_accepts_everything(real_fp32, prompts, reference):
+    engine = engine_for(real_fp32, "self")
+    rounds = []
+    seqs = run_each(engine, prompts, k=3, on_step=lambda outs: rounds.extend(
+        o for o in outs if o.stats is not None))
+    assert_same(seqs, reference)
+    assert sum(s.drafted for s in seqs) == sum(s.accepted for s in seqs) > 0  # acceptance 1.0
+    for o in rounds:  # K+1 tokens per target pass, except where max_tokens or EOS cut the round
+        assert o.stats.accepted == o.stats.drafted == o.stats.k
+        assert o.stats.emitted == o.stats.k + 1 or o.finished
+
+
+def test_early_layers_draft_exercises_rejections(real_fp32, prompts, reference):
+    seqs = run_each(engine_for(real_fp32, "layers", num_layers=8), prompts[:4], k=2)
+    assert_same(seqs, reference[:4])
+    drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
+    assert drafted - accepted > 10  # many rejections, all recovered exactly
+
+
+def test_bf16_draft_model_high_acceptance(real_fp32, prompts, reference):
+    seqs = run_each(engine_for(real_fp32, "self", dtype="bfloat16"), prompts[:3], k=4)
+    assert_same(seqs, reference[:3])
+    assert sum(s.accepted for s in seqs) > 0.8 * sum(s.drafted for s in seqs)
+
+
+@pytest.mark.parametrize("method,extra,k", [("ngram", {}, 4), ("self", {}, 3),
+                                            ("layers", {"num_layers": 15}, 2)])
+def test_ragged_batch_is_lossless(real_fp32, prompts, reference, method, extra, k):
+    engine = engine_for(real_fp32, method, **extra)
+    assert len({len(p) for p in prompts}) > 4  # prompts of different lengths
+    seqs = engine.generate(prompts, GREEDY, SpecParams(k=k))
+    assert_same(seqs, reference)
+    assert engine.target.cache.used_tokens() == 0 and engine.target.cache.num_free() == 8
+
+
+def test_kv_caches_equal_fresh_prefill_after_every_round(real_fp32, prompts):
+    model, _ = real_fp32
+    engine = engine_for(real_fp32, "layers", num_layers=15)
+    draft = engine.drafter.runner
+    fresh = engine_for(real_fp32, "none").target
+    slot = fresh.cache.allocate()
+    params = SamplingParams(temperature=0, max_tokens=20)
+    seqs = [engine.add_request(f"r{i}", p, params, SpecParams(k=3)) for i, p in enumerate(prompts[3:5])]
+    checked = 0
+    while engine.has_work():
+        engine.step()
+        for s in seqs:
+            if s.status is not Status.RUNNING:
+                continue
+            toks = s.tokens
+            # target: cache holds toks[:-1]; feeding the last token must give fresh-prefill logits
+            assert engine.target.cache.lengths[s.slot] == len(toks) - 1
+            got = engine.target.forward([toks[-1:]], [s.slot])[0]
+            fresh.cache.rollback(slot, 0)
+            want = fresh.forward([toks], [slot])[0]
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+            # draft: its committed prefix, continued with the rest, equals a fresh draft prefill
+            n = draft.cache.lengths[s.slot]
+            assert n <= len(toks) - 1
+            got = draft.forward([toks[n:]], [s.slot])[0]
+            draft.cache.allocate(7)
+            want = draft.forward([toks], [7])[0]
+            draft.cache.free(7)
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method):
+    engine = engine_for(real_fp32, method)
+
+    def sample(seed):
+        p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=seed)
+        return engine.generate([prompts[2]], p, SpecParams(k=3))[0].output_ids
+
+    a, b, c = sample(11), sample(11), sample(12)
+    assert a == b
+    assert a != c
