@@ -39,6 +39,10 @@ class StepOutput:
     finish_reason: str | None
     stats: RoundStats | None = None  # None for the token sampled from the prefill
     seq: Sequence | None = field(default=None, repr=False)
+    # target log-probabilities (after temperature / top-k / top-p) of each new token, and the
+    # top-n alternatives as (token id, logprob), when the request asked for logprobs
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class SpecEngine:
@@ -126,14 +130,16 @@ class SpecEngine:
         _, uniforms, noise = self._plan_draws(new, ks, draft_noise=False)
         probs = self._probs(new, logits[:, None])  # [new, 1, vocab]
         empty = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
-        _, next_tok = rejection_sample(probs, empty, torch.zeros(len(new), dtype=torch.long,
-                                       device=self.device), None, self._greedy(new), uniforms, noise)
+        num_acc, next_tok = rejection_sample(probs, empty, torch.zeros(len(new), dtype=torch.long,
+                                             device=self.device), None, self._greedy(new),
+                                             uniforms, noise)
+        host = next_tok.tolist()
+        lps = self._logprobs(new, probs, empty, num_acc, next_tok)
         outputs = []
-        for s, tok in zip(new, next_tok.tolist()):
+        for b, (s, tok) in enumerate(zip(new, host)):
             s.target_passes += 1
             emitted = self._append(s, [tok])
-            outputs.append(StepOutput(s.request_id, emitted, s.status is Status.FINISHED,
-                                      s.finish_reason, None, s))
+            outputs.append(self._output(s, emitted, None, lps, b))
         self.running += new
         self.running = [s for s in self.running if s.status is Status.RUNNING]
         return outputs
@@ -165,23 +171,50 @@ class SpecEngine:
                                              uniforms[:, :kmax], noise)
         # the one device->host sync of the round
         host = torch.cat([num_acc[:, None], next_tok[:, None], drafts], dim=1).tolist()
+        lps = self._logprobs(seqs, probs, drafts, num_acc, next_tok)
         t2 = time.perf_counter()
         # 5. commit / rollback
         outputs = []
-        for s, k, nd, row in zip(seqs, ks, num_draft, host):
+        for b, (s, k, nd, row) in enumerate(zip(seqs, ks, num_draft, host)):
             a, tok, drafted = row[0], row[1], row[2:2 + row[0]]
             s.drafted += nd
             s.accepted += a
             s.target_passes += 1
             emitted = self._append(s, drafted + [tok])
             stats = RoundStats(k, nd, a, len(emitted), t1 - t0, t2 - t1)
-            outputs.append(StepOutput(s.request_id, emitted, s.status is Status.FINISHED,
-                                      s.finish_reason, stats, s))
+            outputs.append(self._output(s, emitted, stats, lps, b))
         if self.drafter is not None:
             self.drafter.commit([s for s in seqs if s.status is Status.RUNNING])
         return outputs
 
     # -- helpers ----------------------------------------------------------------------------
+    def _output(self, s: Sequence, emitted: list[int], stats: RoundStats | None, lps, b: int):
+        out = StepOutput(s.request_id, emitted, s.status is Status.FINISHED, s.finish_reason,
+                         stats, s)
+        if lps is not None and s.params.logprobs is not None:
+            chosen, top_ids, top_lp = lps
+            n = len(emitted)
+            out.logprobs = chosen[b][:n]
+            k = s.params.logprobs
+            out.top_logprobs = [list(zip(top_ids[b][j][:k], top_lp[b][j][:k])) for j in range(n)]
+        return out
+
+    def _logprobs(self, seqs, probs, drafts, num_acc, next_tok):
+        """Log-probs of the emitted tokens at every verified position (only when some row asked;
+        read after the round's sync). Returns host lists (chosen [batch][K+1], top ids/values
+        [batch][K+1][n]) or None."""
+        want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        if not want:
+            return None
+        B, k1, _ = probs.shape
+        rows = torch.arange(B, device=self.device)
+        ids = torch.cat([drafts, torch.zeros(B, 1, dtype=torch.long, device=self.device)], 1)
+        ids[rows, num_acc] = next_tok  # [batch, K+1]: the emitted token at each position
+        logp = torch.log(probs).clamp_min(-9999.0)  # [batch, K+1, vocab]; -inf -> -9999 for JSON
+        chosen = logp.gather(-1, ids[..., None]).squeeze(-1)  # [batch, K+1]
+        top = logp.topk(max(max(want), 1), dim=-1)  # [batch, K+1, n]
+        return chosen.tolist(), top.indices.tolist(), top.values.tolist()
+
     def _k_for(self, s: Sequence) -> int:
         if self.drafter is None or not s.spec.enabled:
             return 0

@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
 
     def __post_init__(self):
         if self.temperature < 0 or self.temperature != self.temperature:
@@ -32,6 +33,8 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
 
     @property
     def greedy(self) -> bool:

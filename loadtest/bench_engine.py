@@ -117,14 +117,14 @@ def main(argv=None):
     plain = tallies["specd plain"]
     for d in drafters:
         print(f"\ndrafter {d}: speedup over specd plain / acceptance / tokens per target pass")
-        print("K".ljust(width) + "".join(g[:10].rjust(11) for g in groups))
+        print("K".ljust(width) + "".join(g[:14].rjust(15) for g in groups))
         for k in ks:
             t = tallies[f"{d} K={k}"]
             row = []
             for g in groups:
                 x = t[g]
-                row.append(f"{x.tps / plain[g].tps:.2f}/{x.accepted / max(x.drafted, 1):.2f}/"
-                           f"{x.tokens / max(x.passes, 1):.1f}".rjust(11))
+                row.append(f" {x.tps / plain[g].tps:.2f}/{x.accepted / max(x.drafted, 1):.2f}/"
+                           f"{x.tokens / max(x.passes, 1):.1f}".rjust(15))
             print(f"{d} K={k}".ljust(width) + "".join(row))
     if not args.no_hf:
         hf = tallies["hf generate"]

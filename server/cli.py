@@ -1,8 +1,10 @@
 """The ``specd`` command.
 
+  specd serve    [--config FILE] [--host H] [--port P] [--dtype D] [--device D] [--api-key K]
+                 start the OpenAI-compatible server (flags > SPECD_* env > config file)
   specd prepare  [--config FILE]            convert the configured model(s) once (GGUF -> safetensors)
-  specd generate [--config FILE] PROMPT...  run the engine on chat prompts and print the output
-                                            with speculation stats (a demo until ``serve`` lands)
+  specd generate [--config FILE] PROMPT...  run the engine directly on chat prompts and print the
+                                            output with speculation stats
 """
 from __future__ import annotations
 
@@ -15,13 +17,50 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.y
 
 
 def _config(args):
+    import os
+
     from engine.config import EngineConfig
     cfg = EngineConfig.from_yaml(args.config)
-    if getattr(args, "dtype", None):
-        cfg.model.dtype = args.dtype
-    if getattr(args, "device", None):
-        cfg.model.device = args.device
+    for name in ("dtype", "device"):  # flag > env > file
+        value = getattr(args, name, None) or os.environ.get(f"SPECD_{name.upper()}")
+        if value:
+            setattr(cfg.model, name, value)
     return cfg
+
+
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from engine.builder import build_engine
+    from engine.worker import EngineWorker
+
+    from .app import create_app
+    from .convert import Limits
+    from .settings import ServerSettings, load_config_file
+
+    data = load_config_file(args.config)
+    flags = {"host": args.host, "port": args.port,
+             "api_keys": [args.api_key] if args.api_key else None}
+    settings = ServerSettings.from_sources(data.get("server"), flags=flags)
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = _config(args)
+    built = build_engine(cfg)
+    engine = built.engine
+    worker = EngineWorker(engine)
+    worker.start()
+    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method, cfg.drafter.k)
+    app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)
+    print(f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
+          f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                    timeout_keep_alive=5)
+    finally:
+        worker.shutdown()
+    return 0
 
 
 def cmd_prepare(args) -> int:
@@ -65,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("prepare", "generate"):
+    for name in ("serve", "prepare", "generate"):
         p = sub.add_parser(name)
         p.add_argument("--config", default=str(DEFAULT_CONFIG))
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
         p.add_argument("--device", choices=["cpu", "cuda", "auto"])
+        if name == "serve":
+            p.add_argument("--host")
+            p.add_argument("--port", type=int)
+            p.add_argument("--api-key")
         if name == "generate":
             p.add_argument("prompt", nargs="+")
             p.add_argument("--max-tokens", type=int, default=128)
@@ -78,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--k", type=int, default=4, help="draft length (0 = plain decoding)")
             p.add_argument("--drafter", choices=["ngram", "self", "layers", "none"])
     args = ap.parse_args(argv)
-    return {"prepare": cmd_prepare, "generate": cmd_generate}[args.cmd](args)
+    return {"serve": cmd_serve, "prepare": cmd_prepare, "generate": cmd_generate}[args.cmd](args)
 
 
 if __name__ == "__main__":

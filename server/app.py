@@ -1,0 +1,258 @@
+"""The FastAPI application: OpenAI-compatible routes over an :class:`EngineWorker`."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.worker import EngineError, EngineWorker
+
+from . import protocol as P
+from .convert import APIError, Job, Limits, chat_job, check_model, completion_job
+from .generation import ChoiceEvent, JobRun
+from .settings import ServerSettings
+
+log = logging.getLogger("specd.server")
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    body = P.ErrorResponse(error=P.ErrorBody(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def error_event(message: str, type: str = "server_error", code: str | None = None) -> dict:
+    return {"data": json.dumps({"error": {"message": message, "type": type, "param": None,
+                                          "code": code}})}
+
+
+def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
+               settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="specd", version="0.1.0",
+                  description="OpenAI-compatible server with lossless speculative decoding")
+    served = settings.served_model_names or [model_name]
+    started = int(time.time())
+    app.state.worker = worker
+
+    # -- errors in OpenAI's shape -------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+        # drop "body" and pydantic's union-branch tags ("str", "list[int]", ...) from the path
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (
+            isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict")))]
+        param = ".".join(loc) or None
+        msg = err.get("msg", "invalid request")
+        return error_response(400, f"{param}: {msg}" if param else msg, "invalid_request_error",
+                              param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code,
+                                                                          "invalid_request_error")
+        return error_response(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "internal server error", "server_error")
+
+    # -- authentication and body size -------------------------------------------------------
+    keys = [k.encode() for k in settings.api_keys]
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if keys and request.url.path.startswith("/v1/"):
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
+            ok = False
+            for k in keys:  # compare against every key: the time does not tell which matched
+                ok |= hmac.compare_digest(given, k)
+            if not ok:
+                return error_response(401, "Incorrect or missing API key", "invalid_request_error",
+                                      None, "invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return error_response(413, f"request body larger than {settings.max_body_bytes} bytes",
+                                  "invalid_request_error", None, "request_too_large")
+        return await call_next(request)
+
+    # -- health and models ------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not (worker.running and worker.healthy):
+            return error_response(503, "engine not ready", "server_error", None, "not_ready")
+        return {"status": "ready", **worker.stats()}
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=n, created=started) for n in served])
+
+    def require_ready():
+        if not worker.running:
+            raise APIError(503, "engine not ready", "server_error", None, "not_ready")
+
+    # -- generation ---------------------------------------------------------------------------
+    def usage(run: JobRun) -> P.Usage:
+        t = run.tally
+        return P.Usage(prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
+                       total_tokens=t.prompt_tokens + t.completion_tokens,
+                       speculation=P.SpeculationUsage(drafted_tokens=t.drafted,
+                                                      accepted_tokens=t.accepted,
+                                                      target_passes=t.passes))
+
+    async def collect(request: Request, run: JobRun) -> list[list[ChoiceEvent]]:
+        """All events of a non-streamed job; a client disconnect cancels (and so aborts) it."""
+        n = len(run.job.prompts) * run.job.n
+        per_choice: list[list[ChoiceEvent]] = [[] for _ in range(n)]
+
+        async def consume():
+            async for ev in run.events():
+                per_choice[ev.index].append(ev)
+
+        task = asyncio.create_task(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            raise APIError(499, "client disconnected", "invalid_request_error") from None
+        except EngineError as e:
+            raise APIError(500, str(e), "server_error") from None
+        return per_choice
+
+    def completion_logprobs(evs: list[ChoiceEvent], offset: int) -> P.CompletionLogprobs:
+        lp = P.CompletionLogprobs()
+        for ev in evs:
+            for t in ev.logprobs or []:
+                lp.tokens.append(t.token)
+                lp.token_logprobs.append(t.logprob)
+                lp.top_logprobs.append(dict(t.top))
+                lp.text_offset.append(offset)
+                offset += len(t.token)
+        return lp
+
+    def chat_logprobs(evs: list[ChoiceEvent]) -> P.ChoiceLogprobs:
+        content = [P.TokenLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()),
+                                  top_logprobs=[P.TopLogprob(token=s, logprob=v,
+                                                             bytes=list(s.encode()))
+                                                for s, v in t.top])
+                   for ev in evs for t in ev.logprobs or []]
+        return P.ChoiceLogprobs(content=content)
+
+    def start(job: Job, prefix: str) -> JobRun:
+        return JobRun(worker, tokenizer, job, f"{prefix}-{uuid.uuid4().hex}")
+
+    def include_usage(req) -> bool:
+        return bool(req.stream_options and req.stream_options.include_usage)
+
+    async def stream(gen: AsyncIterator[dict]) -> EventSourceResponse:
+        return EventSourceResponse(gen, ping=15, sep="\n")
+
+    @app.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, request: Request):
+        check_model(req.model, served)
+        require_ready()
+        job = completion_job(req, tokenizer, settings, limits)
+        run = start(job, "cmpl")
+        created = int(time.time())
+        prompt_texts = [tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
+
+        if not req.stream:
+            per_choice = await collect(request, run)
+            choices = []
+            for i, evs in enumerate(per_choice):
+                prefix = prompt_texts[i // job.n] if job.echo else ""
+                text = prefix + "".join(e.text for e in evs)
+                lp = completion_logprobs(evs, len(prefix)) if req.logprobs is not None else None
+                choices.append(P.CompletionChoice(index=i, text=text, logprobs=lp,
+                                                  finish_reason=evs[-1].finish_reason if evs else None))
+            return P.CompletionResponse(id=run.request_id, created=created, model=req.model,
+                                        choices=choices, usage=usage(run))
+
+        async def gen():
+            def chunk(choices, usage_=None):
+                return {"data": P.CompletionResponse(
+                    id=run.request_id, created=created, model=req.model, choices=choices,
+                    usage=usage_).model_dump_json(exclude_unset=False)}
+            try:
+                if job.echo:
+                    for i in range(len(job.prompts) * job.n):
+                        yield chunk([P.CompletionChoice(index=i, text=prompt_texts[i // job.n])])
+                offsets: dict[int, int] = {}
+                async for ev in run.events():
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = completion_logprobs([ev], offsets.get(ev.index, 0))
+                        offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+                    yield chunk([P.CompletionChoice(index=ev.index, text=ev.text, logprobs=lp,
+                                                    finish_reason=ev.finish_reason)])
+                if include_usage(req):
+                    yield chunk([], usage(run))
+            except EngineError as e:
+                yield error_event(str(e))
+            yield {"data": "[DONE]"}
+
+        return await stream(gen())
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: P.ChatCompletionRequest, request: Request):
+        check_model(req.model, served)
+        require_ready()
+        job = chat_job(req, tokenizer, settings, limits)
+        run = start(job, "chatcmpl")
+        created = int(time.time())
+
+        if not req.stream:
+            per_choice = await collect(request, run)
+            choices = [P.ChatChoice(index=i,
+                                    message=P.AssistantMessage(content="".join(e.text for e in evs)),
+                                    logprobs=chat_logprobs(evs) if req.logprobs else None,
+                                    finish_reason=evs[-1].finish_reason if evs else None)
+                       for i, evs in enumerate(per_choice)]
+            return P.ChatCompletionResponse(id=run.request_id, created=created, model=req.model,
+                                            choices=choices, usage=usage(run))
+
+        async def gen():
+            def chunk(choices, usage_=None):
+                return {"data": P.ChatCompletionChunk(
+                    id=run.request_id, created=created, model=req.model, choices=choices,
+                    usage=usage_).model_dump_json()}
+            try:
+                for i in range(job.n):
+                    yield chunk([P.ChatChunkChoice(index=i, delta=P.Delta(role="assistant",
+                                                                          content=""))])
+                async for ev in run.events():
+                    delta = P.Delta(content=ev.text) if ev.text else P.Delta()
+                    yield chunk([P.ChatChunkChoice(
+                        index=ev.index, delta=delta, finish_reason=ev.finish_reason,
+                        logprobs=chat_logprobs([ev]) if req.logprobs else None)])
+                if include_usage(req):
+                    yield chunk([], usage(run))
+            except EngineError as e:
+                yield error_event(str(e))
+            yield {"data": "[DONE]"}
+
+        return await stream(gen())
+
+    return app

@@ -1,0 +1,197 @@
+"""The one conversion from HTTP requests (server/protocol.py) to the engine's own dataclasses.
+
+Which defaults win, field by field: a value set in the request, else the server config's
+default (``default_max_tokens``, ``default_temperature``, ``default_top_p``), else OpenAI's default
+(temperature 1, top_p 1, no top-k; max_tokens 16 for /v1/completions and "the rest of the context"
+for chat). Speculation: the request's ``speculation`` extension, capped by the server's
+``spec_k_max``, else the engine config's drafter settings.
+
+Everything specd cannot honour is refused here with a 400 that names the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+
+from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .settings import ServerSettings
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass
+class Limits:
+    """What the engine can take, from its config."""
+    max_model_len: int
+    vocab_size: int
+    drafter: str  # configured drafter method
+    default_k: int
+
+
+@dataclass
+class Job:
+    """One HTTP request, converted: the prompts to run, each ``n`` times."""
+    prompts: list[list[int]]
+    params: SamplingParams
+    spec: SpecParams
+    n: int
+    stop: list[str]
+    echo: bool = False
+
+
+def check_model(name: str, served: list[str]) -> None:
+    if name not in served:
+        raise bad(f"The model '{name}' does not exist; this server serves: {', '.join(served)}",
+                  "model", "model_not_found")
+
+
+def _refuse_unsupported(req: _Sampling) -> None:
+    if req.presence_penalty:
+        raise bad("presence_penalty is not supported by specd yet (send 0 or omit it)",
+                  "presence_penalty", "unsupported_parameter")
+    if req.frequency_penalty:
+        raise bad("frequency_penalty is not supported by specd yet (send 0 or omit it)",
+                  "frequency_penalty", "unsupported_parameter")
+    if req.logit_bias:
+        raise bad("logit_bias is not supported by specd yet", "logit_bias", "unsupported_parameter")
+
+
+def _stops(req: _Sampling, s: ServerSettings) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > s.max_stop:
+        raise bad(f"stop may hold at most {s.max_stop} sequences", "stop")
+    if any(x == "" for x in stop):
+        raise bad("stop sequences must not be empty strings", "stop")
+    return stop
+
+
+def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
+    o = req.speculation
+    if o is None:
+        return SpecParams(enabled=limits.drafter != "none", k=min(limits.default_k, s.spec_k_max))
+    if o.method is not None:
+        configured = "ngram" if limits.drafter == "ngram" else "draft"
+        if limits.drafter == "none" or o.method != configured:
+            raise bad(f"speculation.method {o.method!r} is not available on this server "
+                      f"(configured drafter: {limits.drafter})", "speculation.method")
+    for name in ("k", "k_max"):
+        v = getattr(o, name)
+        if v is not None and v > s.spec_k_max:
+            raise bad(f"speculation.{name} must be <= {s.spec_k_max}", f"speculation.{name}")
+    k = o.k if o.k is not None else min(o.k_max if o.k_max is not None else limits.default_k,
+                                        limits.default_k)
+    enabled = (o.enabled if o.enabled is not None else True) and limits.drafter != "none" and k > 0
+    return SpecParams(enabled=enabled, k=k)
+
+
+def _params(req: _Sampling, s: ServerSettings, limits: Limits, prompt_len: int,
+            max_tokens: int | None, default_max: int | None, logprobs: int | None,
+            stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+    room = limits.max_model_len - prompt_len
+    if room <= 0:
+        raise bad(f"The prompt has {prompt_len} tokens, more than the model's context of "
+                  f"{limits.max_model_len} tokens allows", "messages" if isinstance(
+                      req, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = s.default_max_tokens or default_max or room
+        max_tokens = min(max_tokens, room)
+    elif max_tokens > room:
+        raise bad(f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+                  f"model's context of {limits.max_model_len} tokens", "max_tokens",
+                  "context_length_exceeded")
+    temperature = req.temperature if req.temperature is not None else (
+        s.default_temperature if s.default_temperature is not None else 1.0)
+    top_p = req.top_p if req.top_p is not None else (
+        s.default_top_p if s.default_top_p is not None else 1.0)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(req.top_k or 0, 0),
+                          max_tokens=max_tokens, seed=req.seed, logprobs=logprobs,
+                          stop_token_ids=stop_ids)
+
+
+def _check_n(req: _Sampling, s: ServerSettings) -> None:
+    if req.n > s.max_n:
+        raise bad(f"n must be <= {s.max_n}", "n")
+
+
+def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits: Limits) -> Job:
+    _refuse_unsupported(req)
+    _check_n(req, s)
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
+    if req.suffix:
+        raise bad("suffix is not supported", "suffix", "unsupported_parameter")
+    if req.logprobs is not None and req.logprobs > s.max_logprobs:
+        raise bad(f"logprobs must be <= {s.max_logprobs}", "logprobs")
+    p = req.prompt
+    if isinstance(p, str):
+        prompts = [tokenizer(p)["input_ids"]]
+    elif p and all(isinstance(x, str) for x in p):
+        prompts = [tokenizer(x)["input_ids"] for x in p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    elif p and all(isinstance(x, list) for x in p):
+        prompts = [list(x) for x in p]
+    else:
+        raise bad("prompt must be a non-empty string, list of strings, token ids or list of "
+                  "token-id lists", "prompt")
+    for ids in prompts:
+        if not ids:
+            raise bad("prompt is empty", "prompt")
+        if any(not 0 <= t < limits.vocab_size for t in ids):
+            raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt")
+    stop = _stops(req, s)
+    params = _params(req, s, limits, max(len(x) for x in prompts), req.max_tokens, 16, req.logprobs)
+    return Job(prompts, params, _spec(req, s, limits), req.n, stop, req.echo)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        if content is None:
+            if m.role != "assistant":
+                raise bad(f"messages[{i}].content is required for role {m.role!r}",
+                          f"messages[{i}].content")
+            content = ""
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": content})
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    except Exception as e:  # a template that refuses the conversation (e.g. role order)
+        raise bad(f"messages could not be rendered by the model's chat template: {e}",
+                  "messages") from None
+    return list(out["input_ids"])
+
+
+def chat_job(req: ChatCompletionRequest, tokenizer, s: ServerSettings, limits: Limits) -> Job:
+    _refuse_unsupported(req)
+    _check_n(req, s)
+    if req.tools:
+        raise bad("tools are not supported by specd yet", "tools", "unsupported_parameter")
+    if req.tool_choice not in (None, "none"):
+        raise bad("tool_choice is not supported by specd yet", "tool_choice",
+                  "unsupported_parameter")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad("response_format other than 'text' is not supported by specd yet",
+                  "response_format", "unsupported_parameter")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad("top_logprobs requires logprobs=true", "top_logprobs")
+    ids = chat_prompt(req, tokenizer)
+    stop = _stops(req, s)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _params(req, s, limits, len(ids), max_tokens, None, logprobs)
+    return Job([ids], params, _spec(req, s, limits), req.n, stop)

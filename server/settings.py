@@ -1,0 +1,67 @@
+"""Server settings. Precedence: command-line flag > environment (SPECD_*) > config file > default."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"  # loopback by default; the container binds 0.0.0.0 explicitly
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    served_model_names: list[str] = field(default_factory=list)  # default: the model's name
+    max_n: int = 8
+    max_stop: int = 4
+    max_logprobs: int = 20
+    default_max_tokens: int | None = None  # None: OpenAI's (16 for completions, rest of context for chat)
+    default_temperature: float | None = None  # None: OpenAI's (1.0)
+    default_top_p: float | None = None  # None: OpenAI's (1.0)
+    spec_k_max: int = 8  # cap on a request's speculation.k / k_max
+    max_body_bytes: int = 1 << 20
+    log_level: str = "info"
+
+    @classmethod
+    def from_sources(cls, file_data: dict | None, env: dict | None = None,
+                     flags: dict | None = None) -> "ServerSettings":
+        env = os.environ if env is None else env
+        values: dict = {}
+        known = {f.name: f for f in fields(cls)}
+        for k, v in (file_data or {}).items():
+            if k not in known:
+                raise ValueError(f"unknown server config key {k!r}")
+            values[k] = v
+        for name, f in known.items():
+            raw = env.get(f"SPECD_{name.upper()}")
+            if raw is not None:
+                values[name] = _parse(raw, f.type)
+        for k, v in (flags or {}).items():
+            if v is not None:
+                values[k] = v
+        if "SPECD_API_KEY" in env and "api_keys" not in (flags or {}):
+            values["api_keys"] = [k for k in env["SPECD_API_KEY"].split(",") if k]
+        keys_file = env.get("SPECD_API_KEYS_FILE")
+        if keys_file:
+            values["api_keys"] = [line.strip() for line in Path(keys_file).read_text().splitlines()
+                                  if line.strip()]
+        return cls(**values)
+
+
+def _parse(raw: str, typ) -> object:
+    t = str(typ)
+    if "list" in t:
+        return [x for x in raw.split(",") if x]
+    if t.startswith("int"):
+        return int(raw)
+    if t.startswith("float"):
+        return float(raw)
+    return raw
+
+
+def load_config_file(path: str | Path | None) -> dict:
+    if not path:
+        return {}
+    return yaml.safe_load(Path(path).read_text()) or {}

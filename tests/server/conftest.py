@@ -1,0 +1,72 @@
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import uvicorn
+
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from engine.worker import EngineWorker
+from server.app import create_app
+from server.convert import Limits
+from server.settings import ServerSettings
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_app(built, worker, **settings):
+    cfg = built.config
+    limits = Limits(built.engine.target.max_len, built.engine.vocab_size, cfg.drafter.method,
+                    cfg.drafter.k)
+    return create_app(worker, built.tokenizer, MODEL, limits, ServerSettings(**settings))
+
+
+@pytest.fixture(scope="session")
+def built(real_fp32):
+    cfg = EngineConfig.from_dict({"model": {"dtype": "float32", "name": MODEL}, "max_running": 8,
+                                  "max_model_len": 1024, "drafter": {"method": "ngram", "k": 4}})
+    return build_engine(cfg, real_fp32)
+
+
+@pytest.fixture(scope="session")
+def live(built):
+    """A real uvicorn server on a loopback port, serving the real model in fp32."""
+    worker = EngineWorker(built.engine)
+    worker.start()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(make_app(built, worker), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", url=f"http://127.0.0.1:{port}",
+                          worker=worker, engine=built.engine, tokenizer=built.tokenizer,
+                          model=built.engine.target.model)
+    server.should_exit = True
+    thread.join(10)
+    worker.shutdown()
+
+
+@pytest.fixture(scope="session")
+def target_greedy(real_fp32):
+    """Target-only greedy continuation of token ids by transformers' generate()."""
+    model, tok = real_fp32
+
+    def run(ids, max_tokens):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        return out[0, len(ids):].tolist()
+    return run

@@ -1,0 +1,148 @@
+"""Every refused request gets OpenAI's error shape and the right status; the server stays up."""
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.worker import EngineWorker
+from tests.server.conftest import MODEL, make_app
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def api(live, built):
+    with TestClient(make_app(built, live.worker)) as c:
+        yield c
+
+
+def assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert "Traceback" not in r.text and "/work/" not in r.text
+    return err
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"model": "gpt-4"}, "model"),
+    ({"temperature": 3}, "temperature"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"n": 100}, "n"),
+    ({"stop": ["a", ""]}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"speculation": {"k": 99}}, "speculation.k"),
+    ({"speculation": {"method": "draft"}}, "speculation.method"),
+])
+def test_chat_bad_fields(api, patch, param):
+    r = api.post("/v1/chat/completions", json={**CHAT, **patch})
+    assert_error(r, 400, param)
+
+
+def test_prompt_longer_than_context(api):
+    r = api.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 2000, "max_tokens": 4})
+    assert assert_error(r, 400, "prompt")["code"] == "context_length_exceeded"
+    r = api.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "word " * 1500}]})
+    assert_error(r, 400, "messages")
+
+
+@pytest.mark.parametrize("prompt", [[], "", [49152], [[1, 2], [-1]]])
+def test_bad_prompts(api, prompt):
+    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 400, "prompt")
+
+
+def test_invalid_json_and_missing_fields(api):
+    r = api.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(r, 400)
+    assert_error(api.post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
+    assert_error(api.post("/v1/completions", json={"prompt": "x"}), 400, "model")
+    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"}),
+                 400, "max_tokens")
+
+
+def test_best_of_and_suffix_refused(api):
+    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3}), 400, "best_of")
+    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400, "suffix")
+
+
+def test_not_found_and_method_not_allowed(api):
+    assert_error(api.get("/v1/nothing"), 404)
+    assert_error(api.get("/v1/chat/completions"), 405)
+
+
+def test_body_too_large(api):
+    r = api.post("/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+    assert_error(r, 413)
+
+
+def test_api_keys(built, live):
+    with TestClient(make_app(built, live.worker, api_keys=["k1", "k2"])) as c:
+        assert_error(c.get("/v1/models"), 401)
+        assert_error(c.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert c.get("/health").status_code == 200  # liveness needs no key
+
+
+def test_not_ready_until_worker_runs(built):
+    idle = EngineWorker(built.engine)  # never started
+    with TestClient(make_app(built, idle)) as c:
+        assert_error(c.get("/ready"), 503)
+        assert_error(c.post("/v1/chat/completions", json=CHAT), 503)
+        assert c.get("/health").status_code == 200
+
+
+def test_ready_and_health(api):
+    assert api.get("/health").json() == {"status": "ok"}
+    assert api.get("/ready").json()["status"] == "ready"
+
+
+def test_disconnect_aborts_engine_work(live):
+    engine = live.engine
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{live.base_url}/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = 0
+            for line in lines:
+                if line.startswith("data: {"):
+                    got += 1
+                if got >= 2:
+                    break
+            running = [s for s in engine.running]
+            assert running, "the request should be running in the engine"
+            seq = running[0]
+    deadline = time.time() + 20
+    while (engine.running or engine.target.cache.used_tokens()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert seq.finish_reason == "abort" and len(seq.output_ids) < 400
+    assert not engine.running and engine.target.cache.used_tokens() == 0
+
+
+def test_non_stream_disconnect_aborts(live):
+    engine = live.engine
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.base_url}/completions", json=body, timeout=1.5)
+    deadline = time.time() + 20
+    while (engine.running or engine.waiting) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.running and engine.target.cache.used_tokens() == 0
