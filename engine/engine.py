@@ -1,8 +1,9 @@
 """The speculative engine: one ``step()`` = admit + prefill new sequences, then one round.
 
 A round, for every running sequence at once, reads top to bottom:
-  1. plan     -- the one loop over the batch: each row's K (capped by its remaining tokens and
-                 the context), and its random draws from its own seeded generator.
+  1. plan     -- the one loop over the batch (:meth:`SpecEngine._plan`): each row's K (capped by
+                 its remaining tokens and the context), its sampling params, and its random draws
+                 from its own seeded generator. The drafter reuses this plan.
   2. propose  -- the drafter proposes up to K_i tokens per row (ragged).
   3. verify   -- one target forward over [last token, d_1..d_K_i] of every row.
   4. accept   -- :func:`rejection_sample` (terms: accepted, recovered, bonus; see rejection.py);
@@ -29,6 +30,24 @@ from .model_runner import ModelRunner
 from .rejection import rejection_sample
 from .sampling import SamplingParams, logits_to_probs
 from .sequence import RoundStats, Sequence, SpecParams, Status
+
+
+@dataclass
+class RoundPlan:
+    """What the plan phase decided for every row of one round (device tensors are [batch, ...])."""
+    ks: list[int]  # K_i asked of the drafter
+    temperature: torch.Tensor  # [batch] float, 1.0 for greedy rows
+    top_k: torch.Tensor  # [batch] long, 0 = off
+    top_p: torch.Tensor  # [batch] float
+    greedy: torch.Tensor  # [batch] bool
+    last: torch.Tensor  # [batch, 1] long: the last emitted token, first verify input
+    draft_noise: torch.Tensor | None  # [batch, K, vocab] Exp(1), for sampling drafters
+    uniforms: torch.Tensor  # [batch, K] acceptance draws
+    noise: torch.Tensor  # [batch, vocab] Exp(1), for the recovered / bonus sample
+
+    @property
+    def num_zero(self) -> torch.Tensor:
+        return torch.zeros_like(self.greedy, dtype=torch.long)
 
 
 @dataclass
@@ -112,6 +131,7 @@ class SpecEngine:
         return outputs
 
     def _admit(self) -> list[StepOutput]:
+        """Prefill waiting sequences (each its own forward) and sample their first token."""
         cache = self.target.cache
         new: list[Sequence] = []
         while self.waiting and cache.num_free() and len(new) < self.max_prefill_per_step:
@@ -126,13 +146,11 @@ class SpecEngine:
             cache.commit(s.slot, len(s.prompt_ids))
         if self.drafter is not None:
             self.drafter.add(new)
-        ks = [0] * len(new)
-        _, uniforms, noise = self._plan_draws(new, ks, draft_noise=False)
-        probs = self._probs(new, logits[:, None])  # [new, 1, vocab]
+        plan = self._plan(new, with_k=False)
+        probs = logits_to_probs(logits[:, None], plan.temperature, plan.top_k, plan.top_p)  # [new, 1, vocab]
         empty = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
-        num_acc, next_tok = rejection_sample(probs, empty, torch.zeros(len(new), dtype=torch.long,
-                                             device=self.device), None, self._greedy(new),
-                                             uniforms, noise)
+        num_acc, next_tok = rejection_sample(probs, empty, plan.num_zero, None, plan.greedy,
+                                             plan.uniforms, plan.noise)
         host = next_tok.tolist()
         lps = self._logprobs(new, probs, empty, num_acc, next_tok)
         outputs = []
@@ -145,14 +163,12 @@ class SpecEngine:
         return outputs
 
     def _round(self, seqs: list[Sequence]) -> list[StepOutput]:
-        # 1. plan: K per row and its random draws (the one loop over the batch)
-        ks = [self._k_for(s) for s in seqs]
-        sample_drafts = self.drafter is not None and self.drafter.samples
-        draft_noise, uniforms, noise = self._plan_draws(seqs, ks, draft_noise=sample_drafts)
+        # 1. plan: K, sampling params, last token and random draws of every row
+        plan = self._plan(seqs, with_k=True)
         # 2. propose
         t0 = time.perf_counter()
-        if self.drafter is not None and any(ks):
-            prop = self.drafter.propose(seqs, ks, draft_noise)
+        if self.drafter is not None and any(plan.ks):
+            prop = self.drafter.propose(seqs, plan)
             drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs
         else:
             drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
@@ -160,32 +176,64 @@ class SpecEngine:
         kmax = drafts.shape[1]
         t1 = time.perf_counter()
         # 3. verify: one target pass over [last token, d_1..d_K] per row
-        last = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)  # [batch, 1]
-        verify_ids = torch.cat([last, drafts], dim=1)  # [batch, K+1]
+        verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
         logits = self.target.forward(verify_ids, [s.slot for s in seqs],
                                      counts=[n + 1 for n in num_draft], logits="all")
-        probs = self._probs(seqs, logits)  # [batch, K+1, vocab]
+        probs = logits_to_probs(logits, plan.temperature, plan.top_k, plan.top_p)  # [batch, K+1, vocab]
         # 4. accept
         num_t = torch.tensor(num_draft, device=self.device)
-        num_acc, next_tok = rejection_sample(probs, drafts, num_t, draft_probs, self._greedy(seqs),
-                                             uniforms[:, :kmax], noise)
+        num_acc, next_tok = rejection_sample(probs, drafts, num_t, draft_probs, plan.greedy,
+                                             plan.uniforms[:, :kmax], plan.noise)
         # the one device->host sync of the round
         host = torch.cat([num_acc[:, None], next_tok[:, None], drafts], dim=1).tolist()
         lps = self._logprobs(seqs, probs, drafts, num_acc, next_tok)
         t2 = time.perf_counter()
         # 5. commit / rollback
         outputs = []
-        for b, (s, k, nd, row) in enumerate(zip(seqs, ks, num_draft, host)):
+        for b, (s, k, nd, row) in enumerate(zip(seqs, plan.ks, num_draft, host)):
             a, tok, drafted = row[0], row[1], row[2:2 + row[0]]
             s.drafted += nd
             s.accepted += a
             s.target_passes += 1
-            emitted = self._append(s, drafted + [tok])
+            emitted = self._append(s, drafted + [tok])  # commits the target cache
             stats = RoundStats(k, nd, a, len(emitted), t1 - t0, t2 - t1)
             outputs.append(self._output(s, emitted, stats, lps, b))
         if self.drafter is not None:
             self.drafter.commit([s for s in seqs if s.status is Status.RUNNING])
         return outputs
+
+    def _plan(self, seqs: list[Sequence], with_k: bool) -> RoundPlan:
+        """The one loop over the batch: each row's K (capped by its remaining tokens and the
+        context), its sampling params, and its random draws from its own generator in a fixed
+        order: draft noise [K_i, vocab] (sampling drafters), uniforms [K_i], noise [vocab]."""
+        B, V, dev = len(seqs), self.vocab_size, self.device
+        ks = [self._k_for(s) if with_k else 0 for s in seqs]
+        kmax = max(ks + [0])
+        sample_drafts = with_k and self.drafter is not None and self.drafter.samples
+        draft_noise = torch.ones(B, kmax, V, device=dev) if sample_drafts else None  # [batch, K, vocab]
+        uniforms = torch.zeros(B, kmax, device=dev)  # [batch, K]
+        noise = torch.ones(B, V, device=dev)  # [batch, vocab]
+        temp, top_k, top_p, greedy, last = [], [], [], [], []
+        for b, (s, k) in enumerate(zip(seqs, ks)):
+            p = s.params
+            temp.append(p.temperature or 1.0)  # greedy rows: probs at temperature 1 (logprobs)
+            top_k.append(p.top_k)
+            top_p.append(p.top_p)
+            greedy.append(p.greedy)
+            last.append(s.output_ids[-1] if s.output_ids else 0)
+            if p.greedy:
+                continue
+            g = s.generator
+            if draft_noise is not None and k:
+                draft_noise[b, :k].exponential_(generator=g)
+            if k:
+                uniforms[b, :k] = torch.rand(k, generator=g, device=dev)
+            noise[b].exponential_(generator=g)
+        return RoundPlan(ks=ks, temperature=torch.tensor(temp, device=dev),
+                         top_k=torch.tensor(top_k, device=dev), top_p=torch.tensor(top_p, device=dev),
+                         greedy=torch.tensor(greedy, device=dev),
+                         last=torch.tensor(last, device=dev)[:, None], draft_noise=draft_noise,
+                         uniforms=uniforms, noise=noise)
 
     # -- helpers ----------------------------------------------------------------------------
     def _output(self, s: Sequence, emitted: list[int], stats: RoundStats | None, lps, b: int):
@@ -220,34 +268,6 @@ class SpecEngine:
             return 0
         # never draft past max_tokens (a round emits at most K+1) or past the context
         return max(0, min(s.spec.k, s.remaining - 1, self.target.max_len - s.num_tokens))
-
-    def _plan_draws(self, seqs: list[Sequence], ks: list[int], draft_noise: bool):
-        """Each row's random draws from its own generator, in a fixed order: draft noise
-        [K_i, vocab], acceptance uniforms [K_i], recovery/bonus noise [vocab]."""
-        B, kmax, V, dev = len(seqs), max(ks + [0]), self.vocab_size, self.device
-        dn = torch.ones(B, kmax, V, device=dev) if draft_noise else None  # [batch, K, vocab]
-        uniforms = torch.zeros(B, kmax, device=dev)  # [batch, K]
-        noise = torch.ones(B, V, device=dev)  # [batch, vocab]
-        for b, (s, k) in enumerate(zip(seqs, ks)):
-            if s.params.greedy:
-                continue
-            g = s.generator
-            if dn is not None and k:
-                dn[b, :k].exponential_(generator=g)
-            if k:
-                uniforms[b, :k] = torch.rand(k, generator=g, device=dev)
-            noise[b].exponential_(generator=g)
-        return dn, uniforms, noise
-
-    def _probs(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        dev = self.device
-        temp = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev)
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-        return logits_to_probs(logits, temp, top_k, top_p)
-
-    def _greedy(self, seqs: list[Sequence]) -> torch.Tensor:
-        return torch.tensor([s.params.greedy for s in seqs], device=self.device)
 
     def _append(self, s: Sequence, tokens: list[int]) -> list[int]:
         """Append ``tokens`` up to the first stop condition; finish the sequence if one hit."""

@@ -166,8 +166,16 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
     def include_usage(req) -> bool:
         return bool(req.stream_options and req.stream_options.include_usage)
 
-    async def stream(gen: AsyncIterator[dict]) -> EventSourceResponse:
-        return EventSourceResponse(gen, ping=15, sep="\n")
+    def stream(body: AsyncIterator[dict]) -> EventSourceResponse:
+        """SSE response; an engine failure mid-stream becomes an error event, then [DONE]."""
+        async def events():
+            try:
+                async for item in body:
+                    yield item
+            except EngineError as e:
+                yield error_event(str(e))
+            yield {"data": "[DONE]"}
+        return EventSourceResponse(events(), ping=15, sep="\n")
 
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, request: Request):
@@ -195,25 +203,21 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
                 return {"data": P.CompletionResponse(
                     id=run.request_id, created=created, model=req.model, choices=choices,
                     usage=usage_).model_dump_json(exclude_unset=False)}
-            try:
-                if job.echo:
-                    for i in range(len(job.prompts) * job.n):
-                        yield chunk([P.CompletionChoice(index=i, text=prompt_texts[i // job.n])])
-                offsets: dict[int, int] = {}
-                async for ev in run.events():
-                    lp = None
-                    if req.logprobs is not None:
-                        lp = completion_logprobs([ev], offsets.get(ev.index, 0))
-                        offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
-                    yield chunk([P.CompletionChoice(index=ev.index, text=ev.text, logprobs=lp,
-                                                    finish_reason=ev.finish_reason)])
-                if include_usage(req):
-                    yield chunk([], usage(run))
-            except EngineError as e:
-                yield error_event(str(e))
-            yield {"data": "[DONE]"}
+            if job.echo:
+                for i in range(len(job.prompts) * job.n):
+                    yield chunk([P.CompletionChoice(index=i, text=prompt_texts[i // job.n])])
+            offsets: dict[int, int] = {}
+            async for ev in run.events():
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs([ev], offsets.get(ev.index, 0))
+                    offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+                yield chunk([P.CompletionChoice(index=ev.index, text=ev.text, logprobs=lp,
+                                                finish_reason=ev.finish_reason)])
+            if include_usage(req):
+                yield chunk([], usage(run))
 
-        return await stream(gen())
+        return stream(gen())
 
     @app.post("/v1/chat/completions")
     async def chat(req: P.ChatCompletionRequest, request: Request):
@@ -238,21 +242,16 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
                 return {"data": P.ChatCompletionChunk(
                     id=run.request_id, created=created, model=req.model, choices=choices,
                     usage=usage_).model_dump_json()}
-            try:
-                for i in range(job.n):
-                    yield chunk([P.ChatChunkChoice(index=i, delta=P.Delta(role="assistant",
-                                                                          content=""))])
-                async for ev in run.events():
-                    delta = P.Delta(content=ev.text) if ev.text else P.Delta()
-                    yield chunk([P.ChatChunkChoice(
-                        index=ev.index, delta=delta, finish_reason=ev.finish_reason,
-                        logprobs=chat_logprobs([ev]) if req.logprobs else None)])
-                if include_usage(req):
-                    yield chunk([], usage(run))
-            except EngineError as e:
-                yield error_event(str(e))
-            yield {"data": "[DONE]"}
+            for i in range(job.n):
+                yield chunk([P.ChatChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))])
+            async for ev in run.events():
+                delta = P.Delta(content=ev.text) if ev.text else P.Delta()
+                yield chunk([P.ChatChunkChoice(
+                    index=ev.index, delta=delta, finish_reason=ev.finish_reason,
+                    logprobs=chat_logprobs([ev]) if req.logprobs else None)])
+            if include_usage(req):
+                yield chunk([], usage(run))
 
-        return await stream(gen())
+        return stream(gen())
 
     return app

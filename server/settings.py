@@ -38,15 +38,15 @@ class ServerSettings:
             raw = env.get(f"SPECD_{name.upper()}")
             if raw is not None:
                 values[name] = _parse(raw, f.type)
-        for k, v in (flags or {}).items():
-            if v is not None:
-                values[k] = v
-        if "SPECD_API_KEY" in env and "api_keys" not in (flags or {}):
+        if "SPECD_API_KEY" in env:
             values["api_keys"] = [k for k in env["SPECD_API_KEY"].split(",") if k]
         keys_file = env.get("SPECD_API_KEYS_FILE")
         if keys_file:
             values["api_keys"] = [line.strip() for line in Path(keys_file).read_text().splitlines()
                                   if line.strip()]
+        for k, v in (flags or {}).items():  # flags last: they win
+            if v is not None:
+                values[k] = v
         return cls(**values)
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..engine import RoundPlan
 
 
 @dataclass
@@ -30,9 +34,9 @@ class Drafter(ABC):
         """New sequences whose target prefill just ran."""
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], ks: list[int], noise: torch.Tensor | None) -> Proposal:
-        """``ks[b]`` tokens for row b (0 = none). ``noise`` [batch, K, vocab] Exp(1) draws from
-        each row's generator, given when ``samples`` is True."""
+    def propose(self, seqs: list[Sequence], plan: "RoundPlan") -> Proposal:
+        """Up to ``plan.ks[b]`` tokens for row b (0 = none). A sampling drafter samples with the
+        plan's row params and its ``draft_noise`` (Exp(1) draws from each row's generator)."""
 
     def commit(self, seqs: list[Sequence]) -> None:
         """After the round's tokens were appended to each sequence: drop what was rejected."""

@@ -50,7 +50,8 @@ class ModelDrafter(Drafter):
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)
 
-    def propose(self, seqs: list[Sequence], ks: list[int], noise: torch.Tensor | None) -> Proposal:
+    def propose(self, seqs: list[Sequence], plan) -> Proposal:
+        ks, noise = plan.ks, plan.draft_noise
         dev = self.runner.device
         kmax = max(ks)
         tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
@@ -59,10 +60,9 @@ class ModelDrafter(Drafter):
         if not rows:
             return Proposal(tokens, list(ks), probs)
         cache = self.cache
-        temp = torch.tensor([seqs[b].params.temperature or 1.0 for b in rows], device=dev)
-        top_k = torch.tensor([seqs[b].params.top_k for b in rows], device=dev)
-        top_p = torch.tensor([seqs[b].params.top_p for b in rows], device=dev)
-        greedy = torch.tensor([seqs[b].params.greedy for b in rows], device=dev)
+        idx = torch.tensor(rows, device=dev)
+        temp, top_k, top_p = plan.temperature[idx], plan.top_k[idx], plan.top_p[idx]
+        greedy = plan.greedy[idx]
         feed: list[list[int]] | torch.Tensor = [
             seqs[b].tokens[cache.lengths[seqs[b].slot]:] for b in rows]  # catch-up feed
         counts = [len(f) for f in feed]

@@ -38,7 +38,8 @@ class NgramDrafter(Drafter):
             raise ValueError("need 1 <= ngram min_n <= max_n")
         self.device, self.min_n, self.max_n = torch.device(device), min_n, max_n
 
-    def propose(self, seqs: list[Sequence], ks: list[int], noise=None) -> Proposal:
+    def propose(self, seqs: list[Sequence], plan) -> Proposal:
+        ks = plan.ks
         drafts = [ngram_lookup(np.asarray(s.tokens), k, self.min_n, self.max_n) if k > 0 else []
                   for s, k in zip(seqs, ks)]
         width = max([len(d) for d in drafts] + [0])

@@ -146,3 +146,33 @@ def test_non_stream_disconnect_aborts(live):
     while (engine.running or engine.waiting) and time.time() < deadline:
         time.sleep(0.05)
     assert not engine.running and engine.target.cache.used_tokens() == 0
+
+
+def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
+    import openai
+    client = openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=60)
+    engine = live.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:  # fail once, after the stream has started
+            raise RuntimeError("injected fault /secret/path")
+        return real_step()
+
+    engine.step = failing_step
+    try:
+        stream = client.chat.completions.create(
+            model=MODEL, stream=True, max_tokens=200, temperature=0,
+            messages=[{"role": "user", "content": "Count from one to one hundred."}])
+        with pytest.raises(openai.APIError) as exc:
+            for _ in stream:
+                pass
+        assert "secret" not in str(exc.value) and "engine failed" in str(exc.value)
+    finally:
+        del engine.step  # back to the class method
+    assert engine.target.cache.used_tokens() == 0 and not engine.running
+    r = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content

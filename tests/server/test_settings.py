@@ -1,0 +1,37 @@
+from server.settings import ServerSettings
+
+
+def test_flags_beat_env_beat_file(tmp_path):
+    file = {"host": "0.0.0.0", "port": 1000, "max_n": 3}
+    env = {"SPECD_PORT": "2000", "SPECD_HOST": "10.0.0.1"}
+    s = ServerSettings.from_sources(file, env=env, flags={"port": 3000, "host": None})
+    assert (s.port, s.host, s.max_n) == (3000, "10.0.0.1", 3)
+    s = ServerSettings.from_sources(file, env={})
+    assert (s.port, s.host) == (1000, "0.0.0.0")
+
+
+def test_api_keys_from_env_and_file(tmp_path):
+    s = ServerSettings.from_sources({}, env={"SPECD_API_KEY": "a,b"})
+    assert s.api_keys == ["a", "b"]
+    f = tmp_path / "keys"
+    f.write_text("k1\n\nk2\n")
+    s = ServerSettings.from_sources({}, env={"SPECD_API_KEYS_FILE": str(f)})
+    assert s.api_keys == ["k1", "k2"]
+    s = ServerSettings.from_sources({}, env={"SPECD_API_KEY": "a"}, flags={"api_keys": ["z"]})
+    assert s.api_keys == ["z"]
+
+
+def test_defaults_are_safe():
+    s = ServerSettings.from_sources({}, env={})
+    assert s.host == "127.0.0.1" and s.api_keys == []
+
+
+def test_unknown_key_refused():
+    import pytest
+    with pytest.raises(ValueError):
+        ServerSettings.from_sources({"prot": 1}, env={})
+
+
+def test_env_key_used_when_flag_absent():
+    s = ServerSettings.from_sources({}, env={"SPECD_API_KEY": "a"}, flags={"api_keys": None, "port": None})
+    assert s.api_keys == ["a"]
