@@ -60,5 +60,6 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     else:
         raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
-    engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step)
+    engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step,
+                        cfg.prefill_chunk_tokens)
     return Built(engine, tok, cfg)

@@ -38,7 +38,9 @@ class EngineConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     max_running: int = 16  # KV cache slots
     max_model_len: int = 2048  # tokens per slot (prompt + output)
-    max_prefill_per_step: int = 4
+    max_prefill_per_step: int = 4  # sequences prefilling at once
+    prefill_chunk_tokens: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
+    max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
 

@@ -66,11 +66,13 @@ class StepOutput:
 
 class SpecEngine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None, eos_token_ids: list[int],
-                 max_prefill_per_step: int = 4):
+                 max_prefill_per_step: int = 4, prefill_chunk_tokens: int = 512):
         self.target, self.drafter = target, drafter
         self.eos_token_ids = tuple(eos_token_ids)
-        self.max_prefill_per_step = max_prefill_per_step
+        self.max_prefill_per_step = max_prefill_per_step  # sequences prefilling at once
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)  # prompt tokens per step
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # holding a slot, prompt not fully in the cache
         self.running: list[Sequence] = []
         self.device = target.device
         self.vocab_size = target.vocab_size
@@ -97,15 +99,16 @@ class SpecEngine:
                 self.waiting.remove(seq)
                 seq.status, seq.finish_reason = Status.FINISHED, "abort"
                 return True
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self._finish(seq, "abort")
-                self.running.remove(seq)
-                return True
+        for group in (self.prefilling, self.running):
+            for seq in group:
+                if seq.request_id == request_id:
+                    self._finish(seq, "abort")
+                    group.remove(seq)
+                    return True
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  spec: SpecParams | list[SpecParams] | None = None,
@@ -131,19 +134,34 @@ class SpecEngine:
         return outputs
 
     def _admit(self) -> list[StepOutput]:
-        """Prefill waiting sequences (each its own forward) and sample their first token."""
+        """Give waiting sequences a slot and prefill prompts, at most ``prefill_chunk_tokens``
+        prompt tokens per step (chunked prefill: a long prompt never stalls the running streams
+        for more than one chunk's forward). A sequence whose prompt is complete samples its first
+        token from the last chunk's logits and joins the running batch."""
         cache = self.target.cache
-        new: list[Sequence] = []
-        while self.waiting and cache.num_free() and len(new) < self.max_prefill_per_step:
+        while self.waiting and cache.num_free() and len(self.prefilling) < self.max_prefill_per_step:
             seq = self.waiting.popleft()
             seq.slot = cache.allocate()
             seq.status = Status.RUNNING
-            new.append(seq)
+            self.prefilling.append(seq)
+        budget = self.prefill_chunk_tokens
+        new: list[Sequence] = []
+        last_logits = []
+        for s in list(self.prefilling):
+            if budget <= 0:
+                break
+            start = cache.lengths[s.slot]
+            chunk = s.prompt_ids[start:start + budget]
+            logits = self.target.forward([chunk], [s.slot])  # [1, vocab]
+            cache.commit(s.slot, start + len(chunk))
+            budget -= len(chunk)
+            if start + len(chunk) == len(s.prompt_ids):
+                self.prefilling.remove(s)
+                new.append(s)
+                last_logits.append(logits)
         if not new:
             return []
-        logits = torch.cat([self.target.forward([s.prompt_ids], [s.slot]) for s in new])  # [new, vocab]
-        for s in new:
-            cache.commit(s.slot, len(s.prompt_ids))
+        logits = torch.cat(last_logits)  # [new, vocab]
         if self.drafter is not None:
             self.drafter.add(new)
         plan = self._plan(new, with_k=False)

@@ -30,6 +30,14 @@ class EngineError(RuntimeError):
     """The engine failed while running a request (the request is over)."""
 
 
+class QueueFullError(RuntimeError):
+    """More requests in flight than running slots + queue allow (the server answers 429)."""
+
+
+class NotAcceptingError(RuntimeError):
+    """The worker is not running or is shutting down (the server answers 503)."""
+
+
 @dataclass
 class _Channel:
     loop: asyncio.AbstractEventLoop
@@ -37,8 +45,11 @@ class _Channel:
 
 
 class EngineWorker:
-    def __init__(self, engine: SpecEngine):
+    def __init__(self, engine: SpecEngine, max_queued: int | None = None):
         self.engine = engine
+        # requests in flight beyond the running slots; None: unbounded
+        self.max_queued = max_queued
+        self._accepting = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._channels: dict[str, _Channel] = {}
         self._wake = threading.Event()
@@ -56,14 +67,22 @@ class EngineWorker:
         return self._thread is not None and self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Graceful: stop admitting, let running requests finish for up to ``timeout`` seconds,
+        then fail what is left with an error and stop the thread."""
+        import time
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.running and self._channels and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(1.0, deadline - time.monotonic()))
 
     # -- the asyncio side -----------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      spec: SpecParams | None = None) -> AsyncIterator[StepOutput]:
+        self.check_admission(1)
         if request_id in self._channels:
             raise ValueError(f"duplicate request id {request_id!r}")
         ch = _Channel(asyncio.get_running_loop(), asyncio.Queue())
@@ -86,13 +105,21 @@ class EngineWorker:
             if not finished:  # consumer went away (disconnect, cancel): stop the work
                 self.abort(request_id)
 
+    def check_admission(self, count: int) -> None:
+        """Raise unless ``count`` more requests can be taken now (call before answering 200)."""
+        if not (self._accepting and self.running):
+            raise NotAcceptingError("the engine is not accepting requests")
+        if self.max_queued is not None and \
+                len(self._channels) + count > self.engine.target.cache.num_slots + self.max_queued:
+            raise QueueFullError("the server is at capacity (request queue full); retry later")
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
     def stats(self) -> dict:
         e = self.engine
-        return {"running": len(e.running), "waiting": len(e.waiting),
+        return {"running": len(e.running) + len(e.prefilling), "waiting": len(e.waiting),
                 "kv_used_tokens": e.target.cache.used_tokens(),
                 "kv_free_slots": e.target.cache.num_free()}
 
@@ -136,6 +163,6 @@ class EngineWorker:
 
     def _fail_all(self, err: EngineError) -> None:
         e = self.engine
-        for seq in list(e.running) + list(e.waiting):
+        for seq in list(e.running) + list(e.prefilling) + list(e.waiting):
             e.abort(seq.request_id)
             self._send(seq.request_id, err)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.worker import EngineError, EngineWorker
+from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFullError
 
 from . import protocol as P
 from .convert import APIError, Job, Limits, chat_job, check_model, completion_job
@@ -139,6 +139,10 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
             raise APIError(499, "client disconnected", "invalid_request_error") from None
         except EngineError as e:
             raise APIError(500, str(e), "server_error") from None
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from None
+        except NotAcceptingError as e:
+            raise APIError(503, str(e), "server_error", None, "not_ready") from None
         return per_choice
 
     def completion_logprobs(evs: list[ChoiceEvent], offset: int) -> P.CompletionLogprobs:
@@ -161,6 +165,12 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
         return P.ChoiceLogprobs(content=content)
 
     def start(job: Job, prefix: str) -> JobRun:
+        try:
+            worker.check_admission(len(job.prompts) * job.n)
+        except QueueFullError as e:
+            raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from None
+        except NotAcceptingError as e:
+            raise APIError(503, str(e), "server_error", None, "not_ready") from None
         return JobRun(worker, tokenizer, job, f"{prefix}-{uuid.uuid4().hex}")
 
     def include_usage(req) -> bool:
@@ -172,7 +182,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
             try:
                 async for item in body:
                     yield item
-            except EngineError as e:
+            except (EngineError, QueueFullError, NotAcceptingError) as e:
                 yield error_event(str(e))
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15, sep="\n")

@@ -49,7 +49,7 @@ def cmd_serve(args) -> int:
     cfg = _config(args)
     built = build_engine(cfg)
     engine = built.engine
-    worker = EngineWorker(engine)
+    worker = EngineWorker(engine, max_queued=cfg.max_queued)
     worker.start()
     limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method, cfg.drafter.k)
     app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)

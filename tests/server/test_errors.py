@@ -176,3 +176,21 @@ def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
     r = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0,
                                        messages=[{"role": "user", "content": "hi"}])
     assert r.choices[0].message.content
+
+
+class FullWorker:
+    running = healthy = True
+
+    def check_admission(self, count):
+        from engine.worker import QueueFullError
+        raise QueueFullError("the server is at capacity (request queue full); retry later")
+
+    def stats(self):
+        return {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_queue_full_is_429_at_once(built, stream):
+    with TestClient(make_app(built, FullWorker())) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert assert_error(r, 429)["code"] == "queue_full"
