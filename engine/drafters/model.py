@@ -87,7 +87,7 @@ class ModelDrafter(Drafter):
             tokens[row_t, j] = tok
             probs[row_t, j] = q
             feed, counts = tok[:, None], [1] * len(rows)  # [rows, 1]
-        # d_K was fed only if some row drafted past it: commit() trims to the agreed prefix.
+        # d_K is never fed; commit() trims the cache to the prefix the round kept.
         return Proposal(tokens, list(ks), probs)
 
     def commit(self, seqs: list[Sequence]) -> None:
