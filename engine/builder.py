@@ -9,6 +9,7 @@ from .config import EngineConfig
 from .drafters import ModelDrafter, NgramDrafter
 from .drafters.model import check_same_vocab
 from .engine import SpecEngine
+from .k_control import AdaptiveK, FixedK, HeuristicK, KController
 from .loader import load_model
 from .model_runner import ModelRunner
 
@@ -27,6 +28,19 @@ def eos_ids(model, tokenizer) -> list[int]:
         if e is not None:
             ids.add(int(e))
     return sorted(ids)
+
+
+def make_controller(d, drafter) -> KController:
+    if drafter is None:
+        return FixedK(0)
+    if d.controller == "adaptive":
+        return AdaptiveK(d.k_max, drafter.steps, min_gain=d.min_gain,
+                         probe_interval=d.probe_interval, probe_k=d.probe_k)
+    if d.controller == "heuristic":
+        return HeuristicK(min(d.k, d.k_max), d.k_max)
+    if d.controller == "fixed":
+        return FixedK(min(d.k, d.k_max))
+    raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
 
 
 def build_engine(cfg: EngineConfig, target=None) -> Built:
@@ -61,5 +75,5 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     else:
         raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
     engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step,
-                        cfg.prefill_chunk_tokens)
+                        cfg.prefill_chunk_tokens, make_controller(d, drafter), d.k_max)
     return Built(engine, tok, cfg)

@@ -29,7 +29,14 @@ class DrafterConfig:
     num_layers: int | None = None
     ngram_min: int = 1
     ngram_max: int = 3
-    k: int = 4  # draft length per round until the adaptive controller decides it
+    # how K is chosen each round (engine/k_control.py): adaptive (goodput rule) | heuristic
+    # (transformers' +2/-1 schedule, starting at k) | fixed (always k)
+    controller: str = "adaptive"
+    k: int = 4
+    k_max: int = 8  # the largest K any round may draft
+    min_gain: float = 0.03  # adaptive: speculate only when predicted goodput beats K=0 by this
+    probe_interval: int = 16  # adaptive: after this many rounds at K=0, one round drafts probe_k
+    probe_k: int = 2
 
 
 @dataclass

@@ -13,6 +13,10 @@ A round, for every running sequence at once, reads top to bottom:
 Invariant between rounds: the target cache of a running sequence holds every token but the last
 one, which is fed as the first verify token of the next round.
 
+K_i comes from the engine's controller (k_control.py): ``k_for`` in the plan loop, ``observe`` in
+the commit loop, and ``end_round`` with the round's measured times, where the adaptive controller
+picks the next round's K by expected goodput.
+
 The random draws of a row depend only on its own K in that round (never on the batch), so a
 seeded request reproduces whatever else runs beside it, as long as its K sequence is the same.
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters.base import Drafter
+from .k_control import AdaptiveK, FixedK, KController
 from .model_runner import ModelRunner
 from .rejection import rejection_sample
 from .sampling import SamplingParams, logits_to_probs
@@ -66,8 +71,13 @@ class StepOutput:
 
 class SpecEngine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None, eos_token_ids: list[int],
-                 max_prefill_per_step: int = 4, prefill_chunk_tokens: int = 512):
+                 max_prefill_per_step: int = 4, prefill_chunk_tokens: int = 512,
+                 controller: KController | None = None, k_max: int = 8):
         self.target, self.drafter = target, drafter
+        self.k_max = k_max if drafter is not None else 0
+        if controller is None:
+            controller = AdaptiveK(k_max, drafter.steps) if drafter is not None else FixedK(0)
+        self.controller = controller
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_prefill_per_step = max_prefill_per_step  # sequences prefilling at once
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)  # prompt tokens per step
@@ -181,6 +191,10 @@ class SpecEngine:
         return outputs
 
     def _round(self, seqs: list[Sequence]) -> list[StepOutput]:
+        if not self.controller.calibrated:  # once, as soon as a slot is free to time forwards on
+            self.controller.calibrate(self.target, getattr(self.drafter, "runner", None),
+                                      self.target.cache.free_slots())
+        t_start = time.perf_counter()
         # 1. plan: K, sampling params, last token and random draws of every row
         plan = self._plan(seqs, with_k=True)
         # 2. propose
@@ -214,10 +228,15 @@ class SpecEngine:
             s.accepted += a
             s.target_passes += 1
             emitted = self._append(s, drafted + [tok])  # commits the target cache
-            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, t2 - t1)
+            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, t2 - t1, kmax)
+            running = s.status is Status.RUNNING
+            self.controller.observe(s, k, stats, self._k_cap(s) if running else None)
             outputs.append(self._output(s, emitted, stats, lps, b))
         if self.drafter is not None:
             self.drafter.commit([s for s in seqs if s.status is Status.RUNNING])
+        t3 = time.perf_counter()
+        steps = self.drafter.steps(kmax) if self.drafter is not None and kmax else 0
+        self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - (t1 - t0), t1 - t0)
         return outputs
 
     def _plan(self, seqs: list[Sequence], with_k: bool) -> RoundPlan:
@@ -225,7 +244,7 @@ class SpecEngine:
         context), its sampling params, and its random draws from its own generator in a fixed
         order: draft noise [K_i, vocab] (sampling drafters), uniforms [K_i], noise [vocab]."""
         B, V, dev = len(seqs), self.vocab_size, self.device
-        ks = [self._k_for(s) if with_k else 0 for s in seqs]
+        ks = [self.controller.k_for(s, self._k_cap(s)) if with_k else 0 for s in seqs]
         kmax = max(ks + [0])
         sample_drafts = with_k and self.drafter is not None and self.drafter.samples
         draft_noise = torch.ones(B, kmax, V, device=dev) if sample_drafts else None  # [batch, K, vocab]
@@ -281,11 +300,13 @@ class SpecEngine:
         top = logp.topk(max(max(want), 1), dim=-1)  # [batch, K+1, n]
         return chosen.tolist(), top.indices.tolist(), top.values.tolist()
 
-    def _k_for(self, s: Sequence) -> int:
+    def _k_cap(self, s: Sequence) -> int:
+        """The most a row may draft: its k_max, and never past max_tokens (a round emits at most
+        K+1) or the context."""
         if self.drafter is None or not s.spec.enabled:
             return 0
-        # never draft past max_tokens (a round emits at most K+1) or past the context
-        return max(0, min(s.spec.k, s.remaining - 1, self.target.max_len - s.num_tokens))
+        k_max = min(s.spec.k_max, self.k_max) if s.spec.k_max is not None else self.k_max
+        return max(0, min(k_max, s.remaining - 1, self.target.max_len - s.num_tokens))
 
     def _append(self, s: Sequence, tokens: list[int]) -> list[int]:
         """Append ``tokens`` up to the first stop condition; finish the sequence if one hit."""

@@ -43,6 +43,9 @@ class SlotKVCache:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
     def allocate(self, slot: int | None = None) -> int:
         """Take a free slot (a specific one when given: a draft cache mirrors the target's)."""
         if slot is None:

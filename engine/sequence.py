@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .k_control import KState
 from .sampling import SamplingParams
 
 
@@ -19,7 +20,8 @@ class Status(enum.Enum):
 class SpecParams:
     """Per-request speculation settings (already validated and capped by the server config)."""
     enabled: bool = True
-    k: int = 4  # draft length per round (the adaptive controller will choose it per round)
+    k: int | None = None  # a fixed draft length for every round; None: the engine's controller decides
+    k_max: int | None = None  # cap on the controller's K for this request (None: the engine's k_max)
 
 
 @dataclass
@@ -31,6 +33,7 @@ class RoundStats:
     emitted: int  # tokens appended to the output (after stop conditions)
     draft_s: float  # wall time of the batch's propose phase
     verify_s: float  # wall time of the batch's verify + accept phase
+    width: int = 0  # the batch's padded draft width (the verify fed width + 1 tokens per row)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     target_passes: int = 0
+    kstate: KState = field(default_factory=KState)  # the K controller's view of this request
 
     @property
     def tokens(self) -> list[int]:

@@ -1,9 +1,11 @@
 """Engine benchmark at batch 1, greedy, on real prompts (MT-Bench by category + HumanEval).
 
 For each drafter, prints tok/s of plain decoding (same engine, K=0), speculation at fixed K in
-1..8, and transformers' own generate() plain and with prompt lookup, all measured in the same
-run, interleaved prompt by prompt so machine noise hits every configuration alike; plus speedup
-over our plain decoding, acceptance rate and mean tokens per target pass.
+1..8, with K chosen per round by transformers' +2/-1 heuristic schedule and by specd's adaptive
+goodput controller (engine/k_control.py), and transformers' own generate() plain and with prompt
+lookup, all measured in the same run, interleaved prompt by prompt so machine noise hits every
+configuration alike; plus speedup over our plain decoding, acceptance rate and mean tokens per
+target pass, and the adaptive controller's ratios to plain and to the best fixed K in hindsight.
 
     python -m loadtest.bench_engine --per-category 2 --max-tokens 96 --drafters ngram
 """
@@ -53,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--drafters", default="ngram", help=f"comma list of {sorted(DRAFTERS)}")
+    ap.add_argument("--controllers", default="heuristic,adaptive",
+                    help="K controllers to run besides fixed K (heuristic, adaptive; '' for none)")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate() rows")
     ap.add_argument("--json", default="loadtest/results/bench_engine.json")
     args = ap.parse_args(argv)
@@ -69,17 +73,20 @@ def main(argv=None):
     drafters = args.drafters.split(",")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
 
+    controllers = [c for c in args.controllers.split(",") if c]
     engines = {}
     for d in ["none"] + drafters:
-        cfg = EngineConfig.from_dict({"model": vars(base.model), "max_running": 1,
-                                      "max_model_len": base.max_model_len,
-                                      "drafter": DRAFTERS.get(d, {"method": "none"})})
-        engines[d] = build_engine(cfg, pair).engine
+        for ctl in ["fixed"] + (controllers if d != "none" else []):
+            drafter = dict(DRAFTERS.get(d, {"method": "none"}), controller=ctl, k_max=max(ks))
+            cfg = EngineConfig.from_dict({"model": vars(base.model), "max_running": 1,
+                                          "max_model_len": base.max_model_len, "drafter": drafter})
+            engines[d if ctl == "fixed" else f"{d} {ctl}"] = build_engine(cfg, pair).engine
 
     configs = [("specd plain", "none", 0)]
     if not args.no_hf:
         configs += [("hf generate", "hf", 0), ("hf prompt-lookup", "hf-pl", 10)]
     configs += [(f"{d} K={k}", d, k) for d in drafters for k in ks]
+    configs += [(f"{d} {c}", f"{d} {c}", None) for d in drafters for c in controllers]
     tallies: dict[str, dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
 
     def run(kind, k, ids):
@@ -91,8 +98,9 @@ def main(argv=None):
                                      do_sample=False, eos_token_id=tok.eos_token_id,
                                      pad_token_id=tok.eos_token_id, **kw)
             return out.shape[1] - len(ids), time.perf_counter() - t0, 0, 0, 0
+        spec = SpecParams() if k is None else SpecParams(enabled=k > 0, k=k)  # None: controller
         t0 = time.perf_counter()
-        s = engines[kind].generate([ids], params, SpecParams(enabled=k > 0, k=k))[0]
+        s = engines[kind].generate([ids], params, spec)[0]
         return len(s.output_ids), time.perf_counter() - t0, s.drafted, s.accepted, s.target_passes
 
     for name, kind, k in configs:  # warm-up
@@ -118,14 +126,27 @@ def main(argv=None):
     for d in drafters:
         print(f"\ndrafter {d}: speedup over specd plain / acceptance / tokens per target pass")
         print("K".ljust(width) + "".join(g[:14].rjust(15) for g in groups))
-        for k in ks:
-            t = tallies[f"{d} K={k}"]
+        for name in [f"{d} K={k}" for k in ks] + [f"{d} {c}" for c in controllers]:
+            t = tallies[name]
             row = []
             for g in groups:
                 x = t[g]
                 row.append(f" {x.tps / plain[g].tps:.2f}/{x.accepted / max(x.drafted, 1):.2f}/"
                            f"{x.tokens / max(x.passes, 1):.1f}".rjust(15))
-            print(f"{d} K={k}".ljust(width) + "".join(row))
+            print(name.ljust(width) + "".join(row))
+        if "adaptive" in controllers:
+            ad = tallies[f"{d} adaptive"]
+            best_k = max(ks, key=lambda k: tallies[f"{d} K={k}"]["ALL"].tps)  # in hindsight, whole set
+            best = tallies[f"{d} K={best_k}"]
+            print(f"ratios: {d} adaptive / specd plain = " + ", ".join(
+                f"{g}: {ad[g].tps / plain[g].tps:.2f}" for g in groups)
+                + f"  (target >= 0.97 everywhere; min {min(ad[g].tps / plain[g].tps for g in groups):.2f})")
+            print(f"ratios: {d} adaptive / best fixed K over the whole set (K={best_k}) = " + ", ".join(
+                f"{g}: {ad[g].tps / best[g].tps:.2f}" for g in groups) + "  (target ALL >= 1.00)")
+            if "heuristic" in controllers:
+                he = tallies[f"{d} heuristic"]
+                print(f"ratios: {d} adaptive / heuristic +2/-1 = " + ", ".join(
+                    f"{g}: {ad[g].tps / he[g].tps:.2f}" for g in groups))
     if not args.no_hf:
         hf = tallies["hf generate"]
         print("\nratios: specd plain / hf generate = " + ", ".join(

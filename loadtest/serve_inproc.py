@@ -23,7 +23,7 @@ def serve(cfg: EngineConfig, settings: ServerSettings | None = None):
     engine = built.engine
     worker = EngineWorker(engine, max_queued=cfg.max_queued)
     worker.start()
-    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method, cfg.drafter.k)
+    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method)
     app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings or ServerSettings())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -51,7 +51,7 @@ def cmd_serve(args) -> int:
     engine = built.engine
     worker = EngineWorker(engine, max_queued=cfg.max_queued)
     worker.start()
-    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method, cfg.drafter.k)
+    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method)
     app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)
     print(f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
           f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1", flush=True)

@@ -3,8 +3,9 @@
 Which defaults win, field by field: a value set in the request, else the server config's
 default (``default_max_tokens``, ``default_temperature``, ``default_top_p``), else OpenAI's default
 (temperature 1, top_p 1, no top-k; max_tokens 16 for /v1/completions and "the rest of the context"
-for chat). Speculation: the request's ``speculation`` extension, capped by the server's
-``spec_k_max``, else the engine config's drafter settings.
+for chat). Speculation: the request's ``speculation`` extension (a fixed ``k``, or a ``k_max``
+cap on the controller; either above the server's ``spec_k_max`` is refused), else the engine's
+K controller (config ``drafter.controller``, adaptive by default) capped at ``spec_k_max``.
 
 Everything specd cannot honour is refused here with a 400 that names the field.
 """
@@ -36,7 +37,6 @@ class Limits:
     max_model_len: int
     vocab_size: int
     drafter: str  # configured drafter method
-    default_k: int
 
 
 @dataclass
@@ -78,8 +78,8 @@ def _stops(req: _Sampling, s: ServerSettings) -> list[str]:
 
 def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
     o = req.speculation
-    if o is None:
-        return SpecParams(enabled=limits.drafter != "none", k=min(limits.default_k, s.spec_k_max))
+    if o is None:  # the engine's controller chooses K (adaptive by default), at most spec_k_max
+        return SpecParams(enabled=limits.drafter != "none", k=None, k_max=s.spec_k_max)
     if o.method is not None:
         configured = "ngram" if limits.drafter == "ngram" else "draft"
         if limits.drafter == "none" or o.method != configured:
@@ -89,10 +89,10 @@ def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
         v = getattr(o, name)
         if v is not None and v > s.spec_k_max:
             raise bad(f"speculation.{name} must be <= {s.spec_k_max}", f"speculation.{name}")
-    k = o.k if o.k is not None else min(o.k_max if o.k_max is not None else limits.default_k,
-                                        limits.default_k)
-    enabled = (o.enabled if o.enabled is not None else True) and limits.drafter != "none" and k > 0
-    return SpecParams(enabled=enabled, k=k)
+    k_max = o.k_max if o.k_max is not None else s.spec_k_max
+    enabled = ((o.enabled if o.enabled is not None else True) and limits.drafter != "none"
+               and o.k != 0 and k_max > 0)
+    return SpecParams(enabled=enabled, k=o.k, k_max=k_max)
 
 
 def _params(req: _Sampling, s: ServerSettings, limits: Limits, prompt_len: int,

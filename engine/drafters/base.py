@@ -30,6 +30,10 @@ class Drafter(ABC):
     name: str = "drafter"
     samples: bool = False  # True when it samples from a distribution (needs noise per position)
 
+    def steps(self, width: int) -> int:
+        """Sequential drafting steps to propose ``width`` tokens (the K controller's cost model)."""
+        return width
+
     def add(self, seqs: list[Sequence]) -> None:
         """New sequences whose target prefill just ran."""
 

@@ -33,6 +33,9 @@ class NgramDrafter(Drafter):
     name = "ngram"
     samples = False
 
+    def steps(self, width: int) -> int:
+        return 1 if width > 0 else 0  # one lookup, whatever the length
+
     def __init__(self, device: torch.device | str = "cpu", min_n: int = 1, max_n: int = 3):
         if not 1 <= min_n <= max_n:
             raise ValueError("need 1 <= ngram min_n <= max_n")

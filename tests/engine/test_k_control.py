@@ -1,0 +1,179 @@
+"""The K controllers on synthetic acceptance streams and synthetic round costs (no model)."""
+import numpy as np
+import pytest
+
+from engine.k_control import (AdaptiveK, EWLeastSquares, FixedK, HeuristicK, KState, RoundCost,
+                              expected_tokens)
+from engine.sampling import SamplingParams
+from engine.sequence import RoundStats, Sequence, SpecParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10**6)
+
+
+def linear_cost(a, b, c, step=0.0):
+    """A synthetic machine: T(B, w) = a + b·B + c·B·w, draft steps of ``step`` seconds."""
+    def t(batch, width, steps):
+        return a + b * batch + c * batch * width, steps * step
+    return t
+
+
+def controller(true_cost, k_max=8, **kw):
+    cost = RoundCost()
+    for batch in (1, 4):
+        for w in (0, 2, 6):
+            cost.add_calibration(batch, w, true_cost(batch, w, 0)[0])
+    return AdaptiveK(k_max, cost=cost, **kw)
+
+
+def seq(i=0, params=GREEDY, spec=None):
+    return Sequence(f"r{i}", [1, 2, 3], params, spec or SpecParams())
+
+
+def simulate(ctrl, alphas, true_cost, batch=1, cap=8, seed=0, match=1.0):
+    """Run rounds in which each drafted token is accepted with probability alpha (given the
+    previous ones were); returns the batch's K per round."""
+    rng = np.random.default_rng(seed)
+    seqs = [seq(i) for i in range(batch)]
+    ks_per_round = []
+    for alpha in alphas:
+        ks = [ctrl.k_for(s, cap) for s in seqs]
+        width = max(ks)
+        for s, k in zip(seqs, ks):
+            drafted = k if rng.random() < match else 0
+            accepted = 0
+            while accepted < drafted and rng.random() < alpha:
+                accepted += 1
+            ctrl.observe(s, k, RoundStats(k, drafted, accepted, accepted + 1, 0.0, 0.0, width), cap)
+        rest, draft = true_cost(batch, width, width)
+        ctrl.end_round(batch, width, width, rest, draft)
+        ks_per_round.append(width)
+    return ks_per_round
+
+
+CHEAP_VERIFY = linear_cost(0.050, 0.001, 0.001)  # GPU-like: verifying more tokens is ~free
+CPU_LINEAR = linear_cost(0.010, 0.010, 0.010)  # each verified token costs a full token's time
+
+
+def test_expected_tokens():
+    ks = np.arange(4)
+    assert np.allclose(expected_tokens(0.5, 1.0, ks), [1, 1.5, 1.75, 1.875])
+    assert np.allclose(expected_tokens(1.0, 1.0, ks), [1, 2, 3, 4])
+    assert np.allclose(expected_tokens(0.5, 0.0, ks), [1, 1, 1, 1])
+
+
+def test_kstate_estimates_alpha_and_forgets():
+    st = KState()
+    for _ in range(50):
+        st.update(4, 4, 4, decay=0.9)  # all accepted
+    assert st.alpha > 0.95 and st.match > 0.9
+    for _ in range(50):
+        st.update(4, 4, 0, decay=0.9)  # first token rejected
+    assert st.alpha < 0.05
+    st.update(0, 0, 0, decay=0.9)  # K = 0: nothing observed
+    assert st.alpha < 0.05
+    for _ in range(50):
+        st.update(4, 0, 0, decay=0.9)  # asked, nothing drafted (n-gram without a match)
+    assert st.match < 0.1 and st.alpha < 0.05
+
+
+def test_ew_least_squares_recovers_a_line():
+    fit = EWLeastSquares(3, decay=0.99)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        x = (1.0, rng.integers(1, 16), rng.integers(0, 64))
+        fit.update(x, 0.02 + 0.003 * x[1] + 0.0005 * x[2])
+    assert np.allclose(fit.theta, [0.02, 0.003, 0.0005], atol=1e-6)
+
+
+@pytest.mark.parametrize("cost", [CHEAP_VERIFY, CPU_LINEAR])
+def test_converges_to_zero_when_alpha_near_zero(cost):
+    ctrl = controller(cost)
+    ks = simulate(ctrl, [0.02] * 200, cost)
+    tail = ks[50:]
+    assert sum(k == 0 for k in tail) >= 0.9 * len(tail)  # K = 0 but for the probes
+    assert max(tail) <= ctrl.probe_k
+
+
+def test_converges_to_large_k_when_alpha_near_one():
+    ctrl = controller(CHEAP_VERIFY)
+    ks = simulate(ctrl, [0.99] * 100, CHEAP_VERIFY)
+    assert min(ks[20:]) >= 6 and ks[-1] == 8
+
+
+def test_cpu_linear_cost_speculates_only_when_it_pays():
+    # verify costs ~linear in tokens: at alpha 0.9 K=1..2 pay, at 0.5 nothing beats plain much
+    hi = simulate(controller(CPU_LINEAR), [0.9] * 100, CPU_LINEAR)
+    assert np.mean(hi[30:]) >= 1
+    lo = simulate(controller(CPU_LINEAR), [0.3] * 100, CPU_LINEAR)
+    assert np.mean([k == 0 for k in lo[30:]]) > 0.9
+
+
+def test_follows_a_change_of_alpha_within_bounded_rounds():
+    ctrl = controller(CHEAP_VERIFY, probe_interval=16)
+    ks = simulate(ctrl, [0.95] * 60 + [0.02] * 60 + [0.95] * 60, CHEAP_VERIFY, seed=3)
+    assert min(ks[30:60]) >= 4  # predictable: large K
+    assert all(k <= ctrl.probe_k for k in ks[60 + 10:120])  # down within 10 rounds
+    recovered = next(i for i, k in enumerate(ks[120:]) if k >= 4)
+    assert recovered <= ctrl.probe_interval + 10  # back up within a probe interval and a few rounds
+
+
+def test_speculation_shrinks_as_the_batch_grows():
+    cost = linear_cost(0.050, 0.002, 0.002)
+    k1 = simulate(controller(cost), [0.6] * 80, cost, batch=1)
+    k64 = simulate(controller(cost), [0.6] * 80, cost, batch=64)
+    assert np.mean(k1[30:]) >= 2
+    assert np.mean([k == 0 for k in k64[30:]]) > 0.85
+
+
+def test_k_stays_within_bounds_on_random_streams():
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        k_max = int(rng.integers(0, 10))
+        cost = linear_cost(*rng.uniform(0.001, 0.05, 3))
+        ctrl = controller(cost, k_max=k_max)
+        s = seq()
+        for _ in range(60):
+            cap = int(rng.integers(0, 12))
+            k = ctrl.k_for(s, cap)
+            assert 0 <= k <= min(cap, k_max)
+            drafted = int(rng.integers(0, k + 1))
+            accepted = int(rng.integers(0, drafted + 1))
+            ctrl.observe(s, k, RoundStats(k, drafted, accepted, accepted + 1, 0, 0, k), cap)
+            ctrl.end_round(1, k, k, *cost(1, k, k))
+
+
+def test_pinned_requests():
+    ctrl = controller(CHEAP_VERIFY)
+    simulate(ctrl, [0.99] * 30, CHEAP_VERIFY)
+    assert ctrl.k_for(seq(), 8) == 8
+    assert ctrl.k_for(seq(spec=SpecParams(k=3)), 8) == 3  # a fixed k wins
+    assert ctrl.k_for(seq(spec=SpecParams(k=3)), 2) == 2  # capped
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=100)
+    assert ctrl.k_for(seq(params=seeded), 8) == 0  # seeded sampling reproduces: no adaptive K
+    assert ctrl.k_for(seq(params=seeded, spec=SpecParams(k=2)), 8) == 2
+    assert ctrl.k_for(seq(), 0) == 0
+
+
+def test_uncalibrated_adaptive_does_not_speculate():
+    ctrl = AdaptiveK(8)
+    assert not ctrl.calibrated and ctrl.k_for(seq(), 8) == 0
+
+
+def test_heuristic_schedule():
+    ctrl = HeuristicK(k_init=4, k_max=8)
+    s = seq()
+    assert ctrl.k_for(s, 8) == 4
+    ctrl.observe(s, 4, RoundStats(4, 4, 4, 5, 0, 0, 4), 8)
+    assert ctrl.k_for(s, 8) == 6
+    ctrl.observe(s, 6, RoundStats(6, 6, 6, 7, 0, 0, 6), 8)
+    assert ctrl.k_for(s, 8) == 8  # capped at k_max
+    ctrl.observe(s, 8, RoundStats(8, 8, 2, 3, 0, 0, 8), 8)
+    assert ctrl.k_for(s, 8) == 7
+    for _ in range(10):
+        ctrl.observe(s, 1, RoundStats(1, 1, 0, 1, 0, 0, 1), 8)
+    assert ctrl.k_for(s, 8) == 1  # never below 1
+    assert ctrl.k_for(s, 0) == 0
+
+
+def test_fixed():
+    assert FixedK(4).k_for(seq(), 8) == 4 and FixedK(4).k_for(seq(), 2) == 2
