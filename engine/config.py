@@ -35,7 +35,7 @@ class DrafterConfig:
     k: int = 4
     k_max: int = 8  # the largest K any round may draft
     min_gain: float = 0.03  # adaptive: speculate only when predicted goodput beats K=0 by this
-    probe_interval: int = 16  # adaptive: after this many rounds at K=0, one round drafts probe_k
+    probe_interval: int = 8  # adaptive: after this many rounds at K=0, one round drafts probe_k
     probe_k: int = 2
 
 

@@ -137,6 +137,11 @@ class SpecEngine:
 
     # -- one engine step --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if not self.controller.calibrated and self.target.cache.num_free() and any(
+                s.spec.enabled and s.spec.k is None for s in self.waiting):
+            # once, before the first request the controller decides for: time forwards on free slots
+            self.controller.calibrate(self.target, getattr(self.drafter, "runner", None),
+                                      self.target.cache.free_slots())
         outputs = self._admit()
         if self.running:
             outputs += self._round(self.running)
@@ -191,9 +196,6 @@ class SpecEngine:
         return outputs
 
     def _round(self, seqs: list[Sequence]) -> list[StepOutput]:
-        if not self.controller.calibrated:  # once, as soon as a slot is free to time forwards on
-            self.controller.calibrate(self.target, getattr(self.drafter, "runner", None),
-                                      self.target.cache.free_slots())
         t_start = time.perf_counter()
         # 1. plan: K, sampling params, last token and random draws of every row
         plan = self._plan(seqs, with_k=True)

@@ -17,8 +17,12 @@ One round of a batch of B rows whose widest draft is w tokens costs
   each row's own K;
 - the drafter runs s(w) sequential steps (w for a draft model, one lookup for n-gram, 0 at w = 0)
   of d + e·B each.
-The batch's width is the w in 0..K_max with the highest goodput (emitted tokens per second),
-    K* = argmax_w  Σ_i E(α_i, min(w, cap_i)) / T(B, w),
+A round in which no row found a draft feeds one token per row whatever K was asked, so with
+P = 1 - Π_i (1 - m_i), the chance that some row drafts, a round asked for w costs on average
+    T̄(B, w) = T(B, 0) + P·(T(B, w) - T(B, 0))
+(P = 1 for a draft model). The batch's width is the w in 0..K_max with the highest goodput
+(emitted tokens per second),
+    K* = argmax_w  Σ_i E(α_i, min(w, cap_i)) / T̄(B, w),
 and row i drafts K_i = min(K*, cap_i) (cap_i: the request's k_max, its remaining tokens, the
 context). K* = 0, plain decoding, unless some w beats it by ``min_gain``. Because T grows with B·w
 while the gain of a row does not, speculation shrinks and switches off by itself as the batch
@@ -74,7 +78,7 @@ if TYPE_CHECKING:
     from .sequence import RoundStats, Sequence
 
 # prior of a new request's acceptance rate and match rate, and their weights in tokens / rounds
-ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT = 0.5, 0.25
+ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT = 0.5, 1.0
 MATCH_PRIOR, MATCH_PRIOR_WEIGHT = 0.5, 1.0
 CALIBRATION_WEIGHT = 0.5  # weight of one calibration point, in rounds
 
@@ -248,7 +252,7 @@ class AdaptiveK(KController):
     name = "adaptive"
 
     def __init__(self, k_max: int, steps_per_width=lambda w: w, decay: float = 0.9,
-                 min_gain: float = 0.03, probe_interval: int = 16, probe_k: int = 2,
+                 min_gain: float = 0.03, probe_interval: int = 8, probe_k: int = 2,
                  cost: RoundCost | None = None):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
@@ -264,6 +268,7 @@ class AdaptiveK(KController):
         self._tokens = np.zeros(self.k_max + 1)  # Σ_i E_i(min(w, cap_i)) per candidate w
         self._rows = 0
         self._pinned_width = 0
+        self._p_none = 1.0  # Π_i (1 - m_i): the chance that no row finds a draft
 
     # -- the engine's calls ---------------------------------------------------------------------
     def k_for(self, seq, cap):
@@ -273,7 +278,7 @@ class AdaptiveK(KController):
         if self._k_next is None:  # nothing measured yet: decide for this row alone
             st = seq.kstate
             self._tokens = expected_tokens(st.alpha, st.match, np.minimum(self.widths, cap))
-            self._rows = 1
+            self._rows, self._p_none = 1, 1.0 - st.match
             self._k_next = self._decide()
             self._reset_sums()
         return min(self._k_next, cap)
@@ -284,6 +289,7 @@ class AdaptiveK(KController):
         if next_cap is None:
             return
         self._rows += 1
+        self._p_none *= 1.0 - st.match
         pinned = _pinned_k(seq, next_cap)
         if pinned is None:
             self._tokens += expected_tokens(st.alpha, st.match, np.minimum(self.widths, next_cap))
@@ -312,6 +318,8 @@ class AdaptiveK(KController):
         widths = np.maximum(self.widths, self._pinned_width)
         seconds = np.array([self.cost.predict(batch, int(w), self.steps_per_width(int(w)) if w else 0)
                             for w in widths])
+        plain = self.cost.predict(batch, 0, 0)
+        seconds = plain + (1.0 - self._p_none) * (seconds - plain)  # T̄: rounds without a draft
         goodput = self._tokens / seconds
         best = int(np.argmax(goodput))
         if goodput[best] < goodput[0] * (1.0 + self.min_gain):
@@ -327,10 +335,18 @@ class AdaptiveK(KController):
 
     def goodput_table(self, batch_rows: list[tuple[float, float, int]]) -> dict[int, float]:
         """Predicted goodput (tokens/s) per width for rows given as (α, m, cap): for reports."""
-        tokens = sum(expected_tokens(a, m, np.minimum(self.widths, c)) for a, m, c in batch_rows)
-        return {int(w): float(tokens[w] / self.cost.predict(len(batch_rows), int(w),
-                                                            self.steps_per_width(int(w)) if w else 0))
-                for w in self.widths}
+        self._reset_sums()
+        for a, m, c in batch_rows:
+            self._tokens += expected_tokens(a, m, np.minimum(self.widths, c))
+            self._p_none *= 1.0 - m
+        self._rows = len(batch_rows)
+        plain = self.cost.predict(self._rows, 0, 0)
+        p_any = 1.0 - self._p_none
+        table = {int(w): float(self._tokens[w] / (plain + p_any * (self.cost.predict(
+            self._rows, int(w), self.steps_per_width(int(w)) if w else 0) - plain)))
+            for w in self.widths}
+        self._reset_sums()
+        return table
 
 
 def calibrate(cost: RoundCost, target, draft=None, free_slots: list[int] = (), prefix: int = 32,

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.engine import SpecEngine
+from engine.k_control import AdaptiveK, RoundCost
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.sequence import SpecParams
@@ -46,9 +47,24 @@ def exact_joint(model, prompt, n_tokens, temperature, top_p):
     return joint
 
 
-@pytest.mark.parametrize("drafter_kind,temperature,top_p", [
-    ("model", 1.0, 1.0), ("model", 0.8, 0.9), ("ngram", 1.0, 1.0)])
-def test_sampled_speculation_matches_target_distribution(drafter_kind, temperature, top_p):
+class SyntheticCost(RoundCost):
+    """A made-up machine where each drafted token costs 30% of a round: K then moves with the
+    requests' acceptance estimates."""
+    def observe(self, *args):
+        pass
+
+    def predict(self, batch, width, steps):
+        return 1.0 + 0.3 * width
+
+
+def synthetic_adaptive():
+    return AdaptiveK(4, cost=SyntheticCost())
+
+
+@pytest.mark.parametrize("drafter_kind,temperature,top_p,adaptive", [
+    ("model", 1.0, 1.0, False), ("model", 0.8, 0.9, False), ("ngram", 1.0, 1.0, False),
+    ("model", 1.0, 1.0, True), ("ngram", 0.8, 1.0, True)])
+def test_sampled_speculation_matches_target_distribution(drafter_kind, temperature, top_p, adaptive):
     target = tiny(1)
     n_samples, n_tokens, k = 3000, 4, 2
     prompt = [1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes
@@ -57,13 +73,19 @@ def test_sampled_speculation_matches_target_distribution(drafter_kind, temperatu
         drafter = ModelDrafter(ModelRunner(tiny(2), num_slots=64, max_len=32), V)
     else:
         drafter = NgramDrafter("cpu")
-    engine = SpecEngine(tr, drafter, eos_token_ids=[], max_prefill_per_step=64)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n_tokens, seed=i,
-                             ignore_eos=True) for i in range(n_samples)]
-    seqs = engine.generate([prompt] * n_samples, params, SpecParams(k=k))
+    controller = synthetic_adaptive() if adaptive else None
+    engine = SpecEngine(tr, drafter, eos_token_ids=[], max_prefill_per_step=64, controller=controller)
+    # adaptive K is for unseeded requests (seeded sampling pins K to reproduce)
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n_tokens,
+                             seed=None if adaptive else i, ignore_eos=True) for i in range(n_samples)]
+    ks = []
+    seqs = engine.generate([prompt] * n_samples, params, SpecParams() if adaptive else SpecParams(k=k),
+                           on_step=lambda outs: ks.extend(o.stats.k for o in outs if o.stats))
     drafted = sum(s.drafted for s in seqs)
     accepted = sum(s.accepted for s in seqs)
-    assert drafted > n_samples and 0 < accepted < drafted  # both accept and reject paths ran
+    assert drafted > n_samples / 2 and 0 < accepted < drafted  # both accept and reject paths ran
+    if adaptive:
+        assert len(set(ks)) >= 3  # K really varied from round to round
     joint = exact_joint(target, prompt, n_tokens, temperature, top_p)
     counts = {}
     for s in seqs:

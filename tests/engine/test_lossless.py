@@ -139,3 +139,18 @@ def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method)
     a, b, c = sample(11), sample(11), sample(12)
     assert a == b
     assert a != c
+
+
+@pytest.mark.parametrize("method,extra", [("ngram", {}), ("self", {}), ("layers", {"num_layers": 15})])
+def test_adaptive_k_is_lossless(real_fp32, prompts, reference, method, extra):
+    """Adaptive K (the default controller, measured costs of this machine), batched: exact."""
+    engine = engine_for(real_fp32, method, **extra)
+    rounds = []
+    seqs = engine.generate(prompts, GREEDY, SpecParams(), on_step=lambda outs: rounds.extend(
+        o.stats for o in outs if o.stats is not None))
+    assert_same(seqs, reference)
+    assert engine.controller.calibrated and engine.controller.cost.observed > 0
+    assert all(0 <= r.k <= engine.k_max for r in rounds)
+    if method == "self":  # whenever it drafted, everything was accepted
+        assert sum(s.drafted for s in seqs) == sum(s.accepted for s in seqs)
+    assert engine.target.cache.used_tokens() == 0 and engine.target.cache.num_free() == 8
