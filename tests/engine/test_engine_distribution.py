@@ -48,13 +48,13 @@ def exact_joint(model, prompt, n_tokens, temperature, top_p):
 
 
 class SyntheticCost(RoundCost):
-    """A made-up machine where each drafted token costs 30% of a round: K then moves with the
+    """A made-up machine where each drafted token costs 15% of a round: K then moves with the
     requests' acceptance estimates."""
     def observe(self, *args):
         pass
 
     def predict(self, batch, width, steps):
-        return 1.0 + 0.3 * width
+        return 1.0 + 0.15 * width
 
 
 def synthetic_adaptive():
@@ -83,7 +83,8 @@ def test_sampled_speculation_matches_target_distribution(drafter_kind, temperatu
                            on_step=lambda outs: ks.extend(o.stats.k for o in outs if o.stats))
     drafted = sum(s.drafted for s in seqs)
     accepted = sum(s.accepted for s in seqs)
-    assert drafted > n_samples / 2 and 0 < accepted < drafted  # both accept and reject paths ran
+    # both accept and reject paths ran (adaptive K drafts less where acceptance is low)
+    assert drafted > (n_samples / 5 if adaptive else n_samples) and 0 < accepted < drafted
     if adaptive:
         assert len(set(ks)) >= 3  # K really varied from round to round
     joint = exact_joint(target, prompt, n_tokens, temperature, top_p)
