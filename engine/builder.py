@@ -35,7 +35,8 @@ def make_controller(d, drafter) -> KController:
         return FixedK(0)
     if d.controller == "adaptive":
         return AdaptiveK(d.k_max, drafter.steps, min_gain=d.min_gain,
-                         probe_interval=d.probe_interval, probe_k=d.probe_k)
+                         probe_interval=d.probe_interval, probe_k=d.probe_k,
+                         probe_budget=d.probe_budget)
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)
     if d.controller == "fixed":

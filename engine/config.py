@@ -37,6 +37,7 @@ class DrafterConfig:
     min_gain: float = 0.03  # adaptive: speculate only when predicted goodput beats K=0 by this
     probe_interval: int = 8  # adaptive: after this many rounds at K=0, one round drafts probe_k
     probe_k: int = 2
+    probe_budget: float = 0.02  # adaptive: at most this share of time on probes (spaces them out)
 
 
 @dataclass

@@ -99,7 +99,8 @@ class SpecEngine:
             raise ValueError("prompt token id outside the vocabulary")
         gen = torch.Generator(device=self.device)
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        seq = Sequence(request_id, list(prompt_ids), params, spec or SpecParams(), gen)
+        seq = Sequence(request_id, list(prompt_ids), params, spec or SpecParams(), gen,
+                       arrival=time.perf_counter())
         self.waiting.append(seq)
         return seq
 
@@ -158,6 +159,7 @@ class SpecEngine:
             seq = self.waiting.popleft()
             seq.slot = cache.allocate()
             seq.status = Status.RUNNING
+            seq.admitted = time.perf_counter()
             self.prefilling.append(seq)
         budget = self.prefill_chunk_tokens
         new: list[Sequence] = []
@@ -214,6 +216,7 @@ class SpecEngine:
         logits = self.target.forward(verify_ids, [s.slot for s in seqs],
                                      counts=[n + 1 for n in num_draft], logits="all")
         probs = logits_to_probs(logits, plan.temperature, plan.top_k, plan.top_p)  # [batch, K+1, vocab]
+        tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept
         num_t = torch.tensor(num_draft, device=self.device)
         num_acc, next_tok = rejection_sample(probs, drafts, num_t, draft_probs, plan.greedy,
@@ -230,7 +233,7 @@ class SpecEngine:
             s.accepted += a
             s.target_passes += 1
             emitted = self._append(s, drafted + [tok])  # commits the target cache
-            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, t2 - t1, kmax)
+            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, tv - t1, kmax, t2 - tv)
             running = s.status is Status.RUNNING
             self.controller.observe(s, k, stats, self._k_cap(s) if running else None)
             outputs.append(self._output(s, emitted, stats, lps, b))

@@ -53,6 +53,8 @@ Probing
 At K* = 0 nothing is observed and α could never recover when the text turns predictable. After
 ``probe_interval`` rounds at K* = 0, one round drafts ``probe_k`` tokens for every adaptive row.
 For n-gram rows without a match that costs nothing (the verify pads to the longest draft found).
+Where a probe round costs more than ``probe_budget`` of the rounds between two probes (a large
+batch on a machine where verifying costs), probes are spaced further apart to keep within it.
 
 Reproducibility
 ---------------
@@ -251,12 +253,12 @@ class AdaptiveK(KController):
     """The goodput rule of the module docstring."""
     name = "adaptive"
 
-    def __init__(self, k_max: int, steps_per_width=lambda w: w, decay: float = 0.9,
+    def __init__(self, k_max: int, steps_per_width=lambda w: w, decay: float = 0.95,
                  min_gain: float = 0.03, probe_interval: int = 8, probe_k: int = 2,
-                 cost: RoundCost | None = None):
+                 probe_budget: float = 0.02, cost: RoundCost | None = None):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
-        self.probe_interval, self.probe_k = probe_interval, probe_k
+        self.probe_interval, self.probe_k, self.probe_budget = probe_interval, probe_k, probe_budget
         self.cost = cost or RoundCost()
         self.widths = np.arange(k_max + 1)  # [K_max + 1] candidate widths w
         self.calibrated = cost is not None  # an injected cost model needs no calibration
@@ -326,27 +328,16 @@ class AdaptiveK(KController):
             best = 0
         if best == 0:
             self._zero_rounds += 1
-            if self._zero_rounds >= self.probe_interval:
+            probe = min(self.probe_k, self.k_max)
+            # probe at most every probe_interval rounds, and rarer when a probe round costs more
+            # than probe_budget of the rounds between two probes (large batches)
+            extra = seconds[probe] / seconds[0] - 1.0
+            if self._zero_rounds >= max(self.probe_interval, extra / self.probe_budget):
                 self._zero_rounds = 0
-                best = min(self.probe_k, self.k_max)
+                best = probe
         else:
             self._zero_rounds = 0
         return best
-
-    def goodput_table(self, batch_rows: list[tuple[float, float, int]]) -> dict[int, float]:
-        """Predicted goodput (tokens/s) per width for rows given as (α, m, cap): for reports."""
-        self._reset_sums()
-        for a, m, c in batch_rows:
-            self._tokens += expected_tokens(a, m, np.minimum(self.widths, c))
-            self._p_none *= 1.0 - m
-        self._rows = len(batch_rows)
-        plain = self.cost.predict(self._rows, 0, 0)
-        p_any = 1.0 - self._p_none
-        table = {int(w): float(self._tokens[w] / (plain + p_any * (self.cost.predict(
-            self._rows, int(w), self.steps_per_width(int(w)) if w else 0) - plain)))
-            for w in self.widths}
-        self._reset_sums()
-        return table
 
 
 def calibrate(cost: RoundCost, target, draft=None, free_slots: list[int] = (), prefix: int = 32,

@@ -32,8 +32,9 @@ class RoundStats:
     accepted: int
     emitted: int  # tokens appended to the output (after stop conditions)
     draft_s: float  # wall time of the batch's propose phase
-    verify_s: float  # wall time of the batch's verify + accept phase
+    verify_s: float  # wall time of the batch's verify forward (and target probabilities)
     width: int = 0  # the batch's padded draft width (the verify fed width + 1 tokens per row)
+    accept_s: float = 0.0  # wall time of the batch's accept phase (rejection rule + host sync)
 
 
 @dataclass
@@ -43,6 +44,8 @@ class Sequence:
     params: SamplingParams
     spec: SpecParams
     generator: torch.Generator | None = None
+    arrival: float = 0.0  # time.perf_counter() when the engine took the request
+    admitted: float | None = None  # when it got a KV slot (queue time = admitted - arrival)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"

@@ -56,6 +56,8 @@ class EngineWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.healthy = True
+        # called in the engine thread after every step with (outputs, self.stats()): metrics
+        self.observers: list = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,7 +123,7 @@ class EngineWorker:
         e = self.engine
         return {"running": len(e.running) + len(e.prefilling), "waiting": len(e.waiting),
                 "kv_used_tokens": e.target.cache.used_tokens(),
-                "kv_free_slots": e.target.cache.num_free()}
+                "kv_free_slots": e.target.cache.num_free(), "kv_slots": e.target.cache.num_slots}
 
     # -- the worker thread -------------------------------------------------------------------
     def _send(self, request_id: str, item) -> None:
@@ -159,6 +161,12 @@ class EngineWorker:
                 continue
             for out in outputs:
                 self._send(out.request_id, out)
+            stats = self.stats() if self.observers else None
+            for observe in self.observers:
+                try:
+                    observe(outputs, stats)
+                except Exception:  # an observer must never stop the engine
+                    log.exception("step observer failed")
         self._fail_all(EngineError("the server is shutting down"))
 
     def _fail_all(self, err: EngineError) -> None:

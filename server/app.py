@@ -11,7 +11,8 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,6 +21,7 @@ from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFul
 from . import protocol as P
 from .convert import APIError, Job, Limits, chat_job, check_model, completion_job
 from .generation import ChoiceEvent, JobRun
+from .metrics import Metrics
 from .settings import ServerSettings
 
 log = logging.getLogger("specd.server")
@@ -36,13 +38,21 @@ def error_event(message: str, type: str = "server_error", code: str | None = Non
                                           "code": code}})}
 
 
+GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
 def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
-               settings: ServerSettings) -> FastAPI:
+               settings: ServerSettings, metrics: Metrics | None = None) -> FastAPI:
     app = FastAPI(title="specd", version="0.1.0",
                   description="OpenAI-compatible server with lossless speculative decoding")
     served = settings.served_model_names or [model_name]
     started = int(time.time())
     app.state.worker = worker
+    if metrics is None:
+        metrics = Metrics(model_name, limits.drafter, limits.k_max)
+    app.state.metrics = metrics
+    worker.observers.append(metrics.observe_step)
+    app.router.on_shutdown.append(lambda: worker.observers.remove(metrics.observe_step))
 
     # -- errors in OpenAI's shape -------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -91,7 +101,25 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
                                   "invalid_request_error", None, "request_too_large")
         return await call_next(request)
 
-    # -- health and models ------------------------------------------------------------------
+    @app.middleware("http")
+    async def _count_requests(request: Request, call_next):
+        endpoint = GENERATION_ROUTES.get(request.url.path)
+        if endpoint is None or request.method != "POST":
+            return await call_next(request)
+        try:
+            response = await call_next(request)
+        except Exception:
+            metrics.request(endpoint, 500)
+            raise
+        metrics.request(endpoint, response.status_code)
+        return response
+
+    # -- health, models, metrics ------------------------------------------------------------
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        metrics.set_gauges(worker.stats())
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -171,7 +199,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
             raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from None
         except NotAcceptingError as e:
             raise APIError(503, str(e), "server_error", None, "not_ready") from None
-        return JobRun(worker, tokenizer, job, f"{prefix}-{uuid.uuid4().hex}")
+        return JobRun(worker, tokenizer, job, f"{prefix}-{uuid.uuid4().hex}", metrics)
 
     def include_usage(req) -> bool:
         return bool(req.stream_options and req.stream_options.include_usage)

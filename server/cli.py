@@ -51,7 +51,8 @@ def cmd_serve(args) -> int:
     engine = built.engine
     worker = EngineWorker(engine, max_queued=cfg.max_queued)
     worker.start()
-    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method)
+    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method,
+                    cfg.drafter.k_max)
     app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)
     print(f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
           f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1", flush=True)
@@ -86,7 +87,8 @@ def cmd_generate(args) -> int:
                for p in args.prompt]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     t0 = time.perf_counter()
-    seqs = engine.generate(prompts, params, SpecParams(enabled=args.k > 0, k=args.k))
+    spec = SpecParams() if args.k is None else SpecParams(enabled=args.k > 0, k=args.k)
+    seqs = engine.generate(prompts, params, spec)
     dt = time.perf_counter() - t0
     for s in seqs:
         print(f"--- {s.request_id} ({s.finish_reason})\n{tok.decode(s.output_ids, skip_special_tokens=True)}")
@@ -94,7 +96,8 @@ def cmd_generate(args) -> int:
     drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
     passes = sum(s.target_passes for s in seqs)
     print(f"--- {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s); drafter {cfg.drafter.method} "
-          f"K={args.k}: drafted {drafted}, accepted {accepted} "
+          f"K={args.k if args.k is not None else cfg.drafter.controller}: drafted {drafted}, "
+          f"accepted {accepted} "
           f"({accepted / max(drafted, 1):.0%}), {n / max(passes, 1):.2f} tokens per target pass",
           file=sys.stderr)
     return 0
@@ -118,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--max-tokens", type=int, default=128)
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--seed", type=int)
-            p.add_argument("--k", type=int, default=4, help="draft length (0 = plain decoding)")
+            p.add_argument("--k", type=int, default=None,
+                           help="fixed draft length (0 = plain decoding; default: the config's "
+                                "K controller, adaptive)")
             p.add_argument("--drafter", choices=["ngram", "self", "layers", "none"])
     args = ap.parse_args(argv)
     return {"serve": cmd_serve, "prepare": cmd_prepare, "generate": cmd_generate}[args.cmd](args)

@@ -37,6 +37,7 @@ class Limits:
     max_model_len: int
     vocab_size: int
     drafter: str  # configured drafter method
+    k_max: int = 8  # the engine's largest K (metrics buckets)
 
 
 @dataclass

@@ -6,9 +6,12 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
-from engine.worker import EngineWorker
+import time
+
+from engine.worker import EngineError, EngineWorker
 
 from .convert import Job
+from .metrics import Metrics
 from .textstream import IncrementalDetokenizer, StopFilter
 
 
@@ -43,12 +46,32 @@ class JobRun:
     tokenizer: object
     job: Job
     request_id: str
+    metrics: Metrics | None = None
+    started: float = field(default_factory=time.perf_counter)  # when the HTTP request came in
     tally: Tally = field(default_factory=Tally)
 
     def _token_text(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
     async def _choice(self, index: int, prompt: list[int]) -> AsyncIterator[ChoiceEvent]:
+        """One choice's events; its latencies and finish reason go to the metrics."""
+        clock = self.metrics.sequence_clock(self.started) if self.metrics else None
+        if self.metrics:
+            self.metrics.prompt_tokens.inc(len(prompt))
+        reason = "abort"  # unless it finishes: the consumer went away
+        try:
+            async for ev in self._choice_events(index, prompt, clock):
+                if ev.finish_reason:
+                    reason = ev.finish_reason
+                yield ev
+        except EngineError:
+            reason = "error"
+            raise
+        finally:
+            if clock:
+                clock.done(reason)
+
+    async def _choice_events(self, index: int, prompt: list[int], clock) -> AsyncIterator[ChoiceEvent]:
         job, tok = self.job, self.tokenizer
         detok = IncrementalDetokenizer(tok, prompt)
         stops = StopFilter(job.stop)
@@ -59,6 +82,8 @@ class JobRun:
             params = replace(params, seed=params.seed + index)
         async for out in self.worker.submit(f"{self.request_id}-{index}", prompt, params,
                                             job.spec):
+            if clock:
+                clock.tokens(len(out.new_token_ids), out.seq)
             self.tally.completion_tokens += len(out.new_token_ids)
             if out.stats is not None:
                 self.tally.drafted += out.stats.drafted

@@ -48,13 +48,13 @@ def exact_joint(model, prompt, n_tokens, temperature, top_p):
 
 
 class SyntheticCost(RoundCost):
-    """A made-up machine where each drafted token costs 15% of a round: K then moves with the
+    """A made-up machine where each drafted token costs 10% of a round: K then moves with the
     requests' acceptance estimates."""
     def observe(self, *args):
         pass
 
     def predict(self, batch, width, steps):
-        return 1.0 + 0.15 * width
+        return 1.0 + 0.1 * width
 
 
 def synthetic_adaptive():

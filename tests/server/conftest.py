@@ -25,7 +25,8 @@ def free_port() -> int:
 
 def make_app(built, worker, **settings):
     cfg = built.config
-    limits = Limits(built.engine.target.max_len, built.engine.vocab_size, cfg.drafter.method)
+    limits = Limits(built.engine.target.max_len, built.engine.vocab_size, cfg.drafter.method,
+                    cfg.drafter.k_max)
     return create_app(worker, built.tokenizer, MODEL, limits, ServerSettings(**settings))
 
 

@@ -180,6 +180,7 @@ def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
 
 class FullWorker:
     running = healthy = True
+    observers: list = []
 
     def check_admission(self, count):
         from engine.worker import QueueFullError

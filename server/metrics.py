@@ -1,0 +1,189 @@
+"""specd's Prometheus metrics (``GET /metrics``), and how to read them.
+
+Every series carries the labels ``model`` and ``drafter`` and nothing per request (bounded
+cardinality). Counters are exposed with the ``_total`` suffix. Rates belong in PromQL; each metric's
+help names its query, and the same queries ship as recording rules in
+``deploy/prometheus/rules.yml`` (the dashboard, ``deploy/grafana/``, reads those).
+
+Speculation (the terms are rejection.py's):
+  specd_draft_tokens_total, specd_accepted_tokens_total
+      acceptance rate = rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])
+  specd_draft_tokens_by_position_total{position}, specd_accepted_tokens_by_position_total{position}
+      acceptance at draft position j = rate(accepted{position="j"}) / rate(draft{position="j"})
+  specd_target_passes_total           target forwards per sequence (prefill pass included)
+      tokens per target pass = rate(specd_output_tokens_total[1m]) / rate(specd_target_passes_total[1m])
+  specd_tokens_per_pass               histogram: tokens one sequence got from one target pass
+  specd_draft_length                  histogram: K the controller chose, per sequence and round
+  specd_round_phase_seconds{phase}    histogram: draft / verify / accept wall time of each round
+Serving:
+  specd_output_tokens_total, specd_prompt_tokens_total
+      output tok/s = rate(specd_output_tokens_total[1m])
+  specd_requests_total{endpoint, status}          HTTP requests by final status (499: client left)
+  specd_sequences_finished_total{finish_reason}   sequences (choices) by stop / length / abort / error
+  specd_inter_token_latency_seconds   histogram, per output token: a sequence that receives n
+      tokens after a gap g since its previous tokens adds n observations of g / n, so quantiles
+      are per token, not per round:
+      p95 = histogram_quantile(0.95, sum by (le, model, drafter) (rate(..._bucket[1m])))
+  specd_time_to_first_token_seconds   histogram, from the HTTP request to a sequence's first token
+  specd_request_latency_seconds       histogram, from the HTTP request to a sequence's last token
+  specd_queue_time_seconds            histogram, from the engine taking a sequence to its KV slot
+  specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges
+Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queueing).
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+ITL_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                   160.0, 320.0)
+PHASE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
+                 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """All of one server's metrics, in their own registry (so tests and several apps in one
+    process do not collide). ``observe_step`` runs in the engine thread after every step;
+    ``sequence_clock`` on the asyncio side for every sequence of a request."""
+
+    def __init__(self, model: str, drafter: str, k_max: int = 8,
+                 registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        lab = {"model": model, "drafter": drafter}
+        names = list(lab)
+        self.k_max = k_max
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, names + list(extra), registry=r)
+
+        def hist(name, doc, buckets, extra=()):
+            return Histogram(name, doc, names + list(extra), buckets=buckets, registry=r)
+
+        self._drafted = counter("specd_draft_tokens", "Drafted tokens. Acceptance rate: "
+                                "rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])")
+        self._accepted = counter("specd_accepted_tokens", "Drafted tokens the target accepted.")
+        self._drafted_pos = counter("specd_draft_tokens_by_position",
+                                    "Drafted tokens by draft position (1 = first drafted token).",
+                                    ["position"])
+        self._accepted_pos = counter("specd_accepted_tokens_by_position",
+                                     "Accepted tokens by draft position. Acceptance at position j: "
+                                     "rate(accepted{position=j}) / rate(draft{position=j})",
+                                     ["position"])
+        self._passes = counter("specd_target_passes", "Target forward passes per sequence "
+                               "(prefill included). Tokens per pass: rate(specd_output_tokens_total[1m]) "
+                               "/ rate(specd_target_passes_total[1m])")
+        self._out = counter("specd_output_tokens", "Output tokens. Output tok/s: "
+                            "rate(specd_output_tokens_total[1m])")
+        self._prompt = counter("specd_prompt_tokens", "Prompt tokens of every sequence.")
+        self._requests = counter("specd_requests", "HTTP generation requests by endpoint and final "
+                                 "status (499: the client disconnected).", ["endpoint", "status"])
+        self._finished = counter("specd_sequences_finished", "Sequences (choices) by finish reason: "
+                                 "stop, length, abort, error.", ["finish_reason"])
+        self._tpp = hist("specd_tokens_per_pass", "Tokens one sequence got from one target pass.",
+                         tuple(range(1, k_max + 2)))
+        self._k = hist("specd_draft_length", "Draft length K chosen per sequence and round.",
+                       tuple(range(0, k_max + 1)))
+        self._phase = hist("specd_round_phase_seconds", "Wall time of each round's phases: draft, "
+                           "verify (target forward), accept (rejection rule and host sync).",
+                           PHASE_BUCKETS, ["phase"])
+        self._itl = hist("specd_inter_token_latency_seconds",
+                         "Inter-token latency per output token: n tokens received after a gap g add "
+                         "n observations of g/n, so quantiles are per token, not per round. p95: "
+                         "histogram_quantile(0.95, sum by (le) (rate(specd_inter_token_latency_seconds_bucket[1m])))",
+                         ITL_BUCKETS)
+        self._ttft = hist("specd_time_to_first_token_seconds",
+                          "From the HTTP request to a sequence's first output token.", REQUEST_BUCKETS)
+        self._e2e = hist("specd_request_latency_seconds",
+                         "From the HTTP request to a sequence's last output token.", REQUEST_BUCKETS)
+        self._queue = hist("specd_queue_time_seconds",
+                           "From the engine taking a sequence to its getting a KV cache slot.",
+                           REQUEST_BUCKETS)
+        self._running = Gauge("specd_running_sequences", "Sequences holding a KV slot.", names,
+                              registry=r).labels(**lab)
+        self._waiting = Gauge("specd_waiting_sequences", "Sequences waiting for a KV slot.", names,
+                              registry=r).labels(**lab)
+        self._kv = Gauge("specd_kv_cache_usage_ratio", "Share of the KV cache slots in use.", names,
+                         registry=r).labels(**lab)
+        # children with the model/drafter labels bound (the hot path does no label lookups)
+        self.drafted, self.accepted = self._drafted.labels(**lab), self._accepted.labels(**lab)
+        self.passes, self.output_tokens = self._passes.labels(**lab), self._out.labels(**lab)
+        self.prompt_tokens = self._prompt.labels(**lab)
+        self.tokens_per_pass, self.draft_length = self._tpp.labels(**lab), self._k.labels(**lab)
+        self.itl, self.ttft = self._itl.labels(**lab), self._ttft.labels(**lab)
+        self.e2e, self.queue = self._e2e.labels(**lab), self._queue.labels(**lab)
+        self.phase = {p: self._phase.labels(**lab, phase=p) for p in ("draft", "verify", "accept")}
+        self.drafted_pos = [self._drafted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)]
+        self.accepted_pos = [self._accepted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)]
+        self._lab = lab
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def observe_step(self, outputs, stats: dict) -> None:
+        """Counts of one engine step: each output is one target pass of one sequence."""
+        round_seen = False
+        for out in outputs:
+            n = len(out.new_token_ids)
+            self.output_tokens.inc(n)
+            self.passes.inc()
+            self.tokens_per_pass.observe(n)
+            st = out.stats
+            if st is None:  # the token sampled from the prefill
+                continue
+            self.draft_length.observe(st.k)
+            self.drafted.inc(st.drafted)
+            self.accepted.inc(st.accepted)
+            for j in range(min(st.drafted, len(self.drafted_pos))):
+                self.drafted_pos[j].inc()
+            for j in range(min(st.accepted, len(self.accepted_pos))):
+                self.accepted_pos[j].inc()
+            if not round_seen:  # phase times are the round's, shared by its rows
+                round_seen = True
+                self.phase["draft"].observe(st.draft_s)
+                self.phase["verify"].observe(st.verify_s)
+                self.phase["accept"].observe(st.accept_s)
+        self.set_gauges(stats)
+
+    def set_gauges(self, stats: dict) -> None:
+        """From :meth:`EngineWorker.stats`."""
+        self._running.set(stats.get("running", 0))
+        self._waiting.set(stats.get("waiting", 0))
+        if stats.get("kv_slots"):
+            self._kv.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
+
+    # -- asyncio side ---------------------------------------------------------------------------
+    def request(self, endpoint: str, status: int) -> None:
+        self._requests.labels(**self._lab, endpoint=endpoint, status=str(status)).inc()
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(**self._lab, finish_reason=reason).inc()
+
+    def sequence_clock(self, started: float) -> "SequenceClock":
+        return SequenceClock(self, started)
+
+
+class SequenceClock:
+    """Latencies of one sequence as the server sees its outputs arrive."""
+
+    def __init__(self, metrics: Metrics, started: float):
+        self.m, self.started, self.last = metrics, started, None
+
+    def tokens(self, n: int, seq=None) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(now - self.started)
+            if seq is not None and seq.admitted is not None:
+                self.m.queue.observe(max(0.0, seq.admitted - seq.arrival))
+        else:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.m.itl.observe(gap)
+        self.last = now
+
+    def done(self, reason: str) -> None:
+        if self.last is not None:
+            self.m.e2e.observe(self.last - self.started)
+        self.m.finished(reason)
