@@ -291,8 +291,9 @@ class AdaptiveK(KController):
         if next_cap is None:
             return
         self._rows += 1
-        self._p_none *= 1.0 - st.match
         pinned = _pinned_k(seq, next_cap)
+        if pinned != 0:  # a row that will not draft never widens the verify
+            self._p_none *= 1.0 - st.match
         if pinned is None:
             self._tokens += expected_tokens(st.alpha, st.match, np.minimum(self.widths, next_cap))
         else:
