@@ -3,10 +3,9 @@ text events: incremental detokenization, stop strings, logprobs, usage counts.""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
-
-import time
 
 from engine.worker import EngineError, EngineWorker
 
