@@ -130,22 +130,26 @@ class EWLeastSquares:
         self.b = np.zeros(dim)
         self.a_fixed = np.eye(dim) * 1e-9
         self.b_fixed = np.zeros(dim)
-        self.theta = np.zeros(dim)
+        self._theta: np.ndarray | None = None
 
     def add_fixed(self, x, y: float, weight: float) -> None:
         x = np.asarray(x, dtype=float)
         self.a_fixed += weight * np.outer(x, x)
         self.b_fixed += weight * x * y
-        self._solve()
+        self._theta = None
 
     def update(self, x, y: float) -> None:
         x = np.asarray(x, dtype=float)
         self.a = self.decay * self.a + np.outer(x, x)
         self.b = self.decay * self.b + x * y
-        self._solve()
+        self._theta = None
 
-    def _solve(self) -> None:
-        self.theta = np.linalg.lstsq(self.a + self.a_fixed, self.b + self.b_fixed, rcond=None)[0]
+    @property
+    def theta(self) -> np.ndarray:
+        """The fit, solved when first needed after new data (not on every round's update)."""
+        if self._theta is None:
+            self._theta = np.linalg.lstsq(self.a + self.a_fixed, self.b + self.b_fixed, rcond=None)[0]
+        return self._theta
 
     def predict(self, x) -> float:
         return float(np.dot(self.theta, x))
@@ -278,9 +282,7 @@ class AdaptiveK(KController):
         if pinned is not None:
             return pinned
         if self._k_next is None:  # nothing measured yet: decide for this row alone
-            st = seq.kstate
-            self._tokens = expected_tokens(st.alpha, st.match, np.minimum(self.widths, cap))
-            self._rows, self._p_none = 1, 1.0 - st.match
+            self._add_row(seq.kstate, None, cap)
             self._k_next = self._decide()
             self._reset_sums()
         return min(self._k_next, cap)
@@ -288,14 +290,16 @@ class AdaptiveK(KController):
     def observe(self, seq, k, stats, next_cap):
         st = seq.kstate
         st.update(k, stats.drafted, stats.accepted, self.decay)
-        if next_cap is None:
-            return
+        if next_cap is not None:
+            self._add_row(st, _pinned_k(seq, next_cap), next_cap)
+
+    def _add_row(self, st: KState, pinned: int | None, cap: int) -> None:
+        """Add one row to the batch sums that :meth:`_decide` weighs."""
         self._rows += 1
-        pinned = _pinned_k(seq, next_cap)
         if pinned != 0:  # a row that will not draft never widens the verify
             self._p_none *= 1.0 - st.match
         if pinned is None:
-            self._tokens += expected_tokens(st.alpha, st.match, np.minimum(self.widths, next_cap))
+            self._tokens += expected_tokens(st.alpha, st.match, np.minimum(self.widths, cap))
         else:
             self._tokens += expected_tokens(st.alpha, st.match, np.array([pinned]))[0]
             self._pinned_width = max(self._pinned_width, pinned)

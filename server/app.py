@@ -81,11 +81,11 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
         log.exception("unhandled error")
         return error_response(500, "internal server error", "server_error")
 
-    # -- authentication and body size -------------------------------------------------------
+    # -- authentication, body size, request counts -----------------------------------------
     keys = [k.encode() for k in settings.api_keys]
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
+    def refusal(request: Request) -> JSONResponse | None:
+        """401 without a valid API key (when keys are set), 413 for a declared body too large."""
         if keys and request.url.path.startswith("/v1/"):
             auth = request.headers.get("authorization", "")
             given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
@@ -99,19 +99,23 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
             return error_response(413, f"request body larger than {settings.max_body_bytes} bytes",
                                   "invalid_request_error", None, "request_too_large")
-        return await call_next(request)
+        return None
 
     @app.middleware("http")
-    async def _count_requests(request: Request, call_next):
-        endpoint = GENERATION_ROUTES.get(request.url.path)
-        if endpoint is None or request.method != "POST":
-            return await call_next(request)
-        try:
-            response = await call_next(request)
-        except Exception:
-            metrics.request(endpoint, 500)
-            raise
-        metrics.request(endpoint, response.status_code)
+    async def _guard(request: Request, call_next):
+        """One middleware layer: refusals, then the request; generation requests are counted
+        by final status (refusals included)."""
+        endpoint = GENERATION_ROUTES.get(request.url.path) if request.method == "POST" else None
+        response = refusal(request)
+        if response is None:
+            try:
+                response = await call_next(request)
+            except Exception:
+                if endpoint:
+                    metrics.request(endpoint, 500)
+                raise
+        if endpoint:
+            metrics.request(endpoint, response.status_code)
         return response
 
     # -- health, models, metrics ------------------------------------------------------------
