@@ -16,22 +16,16 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import openai
-import yaml
 
 from engine.config import EngineConfig
 from engine.loader import prepare
 from loadtest.datasets import mixed
+from loadtest.server_proc import peak_rss_mib, specd_server
 
 
 def pct(xs, q):
@@ -49,50 +43,6 @@ def spec_option(mode: str) -> dict | None:
     if mode.startswith("k"):
         return {"k": int(mode[1:])}
     raise ValueError(f"unknown mode {mode!r} (adaptive, off, kN)")
-
-
-@contextmanager
-def specd_server(config: Path, max_running: int):
-    """``specd serve`` in a child process on a free loopback port; yields (base_url, pid)."""
-    data = yaml.safe_load(config.read_text()) or {}
-    data.setdefault("engine", {})["max_running"] = max(data["engine"].get("max_running", 1), max_running)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(data, f)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECD_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", f.name,
-                             "--host", "127.0.0.1", "--port", str(port)], env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specd serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("specd serve did not become ready")
-            time.sleep(0.5)
-        yield f"{base}/v1", proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(f.name)
-
-
-def peak_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def one(client, model, tok, prompt, max_tokens, spec):

