@@ -17,11 +17,17 @@ K_i comes from the engine's controller (k_control.py): ``k_for`` in the plan loo
 the commit loop, and ``end_round`` with the round's measured times, where the adaptive controller
 picks the next round's K by expected goodput.
 
+Drafter faults never cost a token: an exception in the drafter (``add``, ``propose``, ``commit``,
+``remove``) or a malformed proposal turns that round into a plain round (K = 0) for its rows, and
+those rows decode plainly (no drafting) for the rest of their life, so their output is still
+exactly the target's. Each fault adds one to ``drafter_failures`` (a metric reads it).
+
 The random draws of a row depend only on its own K in that round (never on the batch), so a
 seeded request reproduces whatever else runs beside it, as long as its K sequence is the same.
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import deque
@@ -35,6 +41,8 @@ from .model_runner import ModelRunner
 from .rejection import rejection_sample
 from .sampling import SamplingParams, logits_to_probs
 from .sequence import RoundStats, Sequence, SpecParams, Status
+
+log = logging.getLogger("specd.engine")
 
 
 @dataclass
@@ -67,6 +75,7 @@ class StepOutput:
     # top-n alternatives as (token id, logprob), when the request asked for logprobs
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    passes: int = 1  # target passes this output covers (more when a reader's buffer merged outputs)
 
 
 class SpecEngine:
@@ -86,6 +95,7 @@ class SpecEngine:
         self.running: list[Sequence] = []
         self.device = target.device
         self.vocab_size = target.vocab_size
+        self.drafter_failures = 0  # drafter exceptions / bad proposals (each fell back to K = 0)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -180,7 +190,7 @@ class SpecEngine:
             return []
         logits = torch.cat(last_logits)  # [new, vocab]
         if self.drafter is not None:
-            self.drafter.add(new)
+            self._drafter_call("add", new, new)
         plan = self._plan(new, with_k=False)
         probs = logits_to_probs(logits[:, None], plan.temperature, plan.top_k, plan.top_p)  # [new, 1, vocab]
         empty = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
@@ -203,8 +213,14 @@ class SpecEngine:
         plan = self._plan(seqs, with_k=True)
         # 2. propose
         t0 = time.perf_counter()
+        prop = None
         if self.drafter is not None and any(plan.ks):
-            prop = self.drafter.propose(seqs, plan)
+            drafting = [s for s, k in zip(seqs, plan.ks) if k]
+            prop = self._drafter_call("propose", drafting, seqs, plan)
+            if prop is not None and not self._well_formed(prop, plan.ks):
+                self._draft_fault("propose", drafting, ValueError("malformed proposal"))
+                prop = None
+        if prop is not None:
             drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs
         else:
             drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
@@ -238,7 +254,8 @@ class SpecEngine:
             self.controller.observe(s, k, stats, self._k_cap(s) if running else None)
             outputs.append(self._output(s, emitted, stats, lps, b))
         if self.drafter is not None:
-            self.drafter.commit([s for s in seqs if s.status is Status.RUNNING])
+            live = [s for s in seqs if s.status is Status.RUNNING and s.spec.enabled]
+            self._drafter_call("commit", live, live)
         t3 = time.perf_counter()
         steps = self.drafter.steps(kmax) if self.drafter is not None and kmax else 0
         self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - (t1 - t0), t1 - t0)
@@ -276,6 +293,34 @@ class SpecEngine:
                          greedy=torch.tensor(greedy, device=dev),
                          last=torch.tensor(last, device=dev)[:, None], draft_noise=draft_noise,
                          uniforms=uniforms, noise=noise)
+
+    # -- drafter faults -------------------------------------------------------------------------
+    def _drafter_call(self, method: str, rows: list[Sequence], *args):
+        """``self.drafter.<method>(*args)``; an exception is a drafter fault for ``rows``."""
+        try:
+            return getattr(self.drafter, method)(*args)
+        except Exception as e:  # noqa: BLE001 -- any drafter failure falls back to plain decoding
+            self._draft_fault(method, rows, e)
+            return None
+
+    def _draft_fault(self, where: str, rows: list[Sequence], err: Exception) -> None:
+        """Count the fault; ``rows`` decode plainly from now on (their output stays exact: the
+        target alone decides every token of a K = 0 round)."""
+        self.drafter_failures += 1
+        log.error("drafter %s failed in %s (%s: %s); %d request(s) fall back to plain decoding",
+                  getattr(self.drafter, "name", "?"), where, type(err).__name__, err, len(rows))
+        for s in rows:
+            s.spec = SpecParams(enabled=False, k=0, k_max=0)
+
+    @staticmethod
+    def _well_formed(prop, ks: list[int]) -> bool:
+        """Host-side shape checks of a proposal (no device sync)."""
+        b = len(ks)
+        t = prop.tokens
+        return (t.dim() == 2 and t.shape[0] == b and len(prop.num) == b
+                and all(0 <= n <= k for n, k in zip(prop.num, ks)) and t.shape[1] >= max(prop.num)
+                and t.shape[1] <= max(ks)
+                and (prop.probs is None or tuple(prop.probs.shape[:2]) == tuple(t.shape)))
 
     # -- helpers ----------------------------------------------------------------------------
     def _output(self, s: Sequence, emitted: list[int], stats: RoundStats | None, lps, b: int):
@@ -341,6 +386,6 @@ class SpecEngine:
         s.status, s.finish_reason = Status.FINISHED, reason
         if s.slot >= 0:
             if self.drafter is not None:
-                self.drafter.remove(s)
+                self._drafter_call("remove", [s], s)
             self.target.cache.free(s.slot)
             s.slot = -1

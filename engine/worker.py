@@ -6,9 +6,16 @@ each request's outputs to the asyncio side through that request's own queue.
     worker.abort(request_id)      # e.g. on client disconnect; frees the request's KV slot
 
 The engine is touched only by the worker thread: submissions and aborts travel through a
-thread-safe inbox that the thread drains between steps. Outputs go back with
-``loop.call_soon_threadsafe``. An exception inside a step fails the requests that were in the
-engine with an error output, frees their cache, and the worker keeps serving new requests.
+thread-safe inbox that the thread drains between steps. Outputs go back through each request's
+:class:`_Channel`, which is bounded: at most ``max_buffered`` outputs wait for a reader; past that
+the engine thread merges each new output into the last waiting one (tokens, logprobs, counts
+concatenated). So a client that stops reading never blocks the engine and never holds more than
+its own request's tokens: the request runs to its end, frees its KV slot, and its text waits
+(lossless) until the reader comes back or disconnects.
+
+An exception inside a step fails the requests that were in that step (running, prefilling, and
+any the failed admission had taken) with an error output and frees their cache; requests still
+waiting for a slot stay queued, and the worker keeps serving.
 """
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import replace
 from typing import AsyncIterator
 
 from .engine import SpecEngine, StepOutput
@@ -38,17 +46,62 @@ class NotAcceptingError(RuntimeError):
     """The worker is not running or is shutting down (the server answers 503)."""
 
 
-@dataclass
+def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
+    """One output standing for ``a`` then ``b`` (of the same request)."""
+    stats = b.stats
+    if a.stats is not None and b.stats is not None:
+        stats = replace(b.stats, drafted=a.stats.drafted + b.stats.drafted,
+                        accepted=a.stats.accepted + b.stats.accepted,
+                        emitted=a.stats.emitted + b.stats.emitted)
+    elif a.stats is not None:
+        stats = a.stats
+    cat = (lambda x, y: None if x is None and y is None else (x or []) + (y or []))
+    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, stats=stats,
+                   logprobs=cat(a.logprobs, b.logprobs),
+                   top_logprobs=cat(a.top_logprobs, b.top_logprobs), passes=a.passes + b.passes)
+
+
 class _Channel:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's outputs, from the engine thread (:meth:`put`) to its asyncio reader
+    (:meth:`get`). At most ``max_items`` wait; a further output merges into the last one."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_items: int):
+        self.loop, self.max_items = loop, max(1, max_items)
+        self.items: deque = deque()
+        self.lock = threading.Lock()
+        self.ready = asyncio.Event()
+        self.merged = 0  # outputs merged because the reader lagged
+
+    def put(self, item) -> None:  # engine thread
+        with self.lock:
+            last = self.items[-1] if self.items else None
+            if (len(self.items) >= self.max_items and isinstance(item, StepOutput)
+                    and isinstance(last, StepOutput) and not last.finished):
+                self.items[-1] = merge_outputs(last, item)
+                self.merged += 1
+            else:
+                self.items.append(item)
+        try:
+            self.loop.call_soon_threadsafe(self.ready.set)
+        except RuntimeError:  # the reader's loop is closed: nobody is listening
+            pass
+
+    async def get(self):  # the reader's loop
+        while True:
+            with self.lock:
+                if self.items:
+                    return self.items.popleft()
+                self.ready.clear()
+            await self.ready.wait()
 
 
 class EngineWorker:
-    def __init__(self, engine: SpecEngine, max_queued: int | None = None):
+    def __init__(self, engine: SpecEngine, max_queued: int | None = None,
+                 max_buffered: int = 64):
         self.engine = engine
         # requests in flight beyond the running slots; None: unbounded
         self.max_queued = max_queued
+        self.max_buffered = max_buffered  # outputs waiting per request before they are merged
         self._accepting = True
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._channels: dict[str, _Channel] = {}
@@ -87,14 +140,14 @@ class EngineWorker:
         self.check_admission(1)
         if request_id in self._channels:
             raise ValueError(f"duplicate request id {request_id!r}")
-        ch = _Channel(asyncio.get_running_loop(), asyncio.Queue())
+        ch = _Channel(asyncio.get_running_loop(), self.max_buffered)
         self._channels[request_id] = ch
         self._inbox.put(("add", request_id, prompt_ids, params, spec))
         self._wake.set()
         finished = False
         try:
             while True:
-                item = await ch.queue.get()
+                item = await ch.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -123,13 +176,14 @@ class EngineWorker:
         e = self.engine
         return {"running": len(e.running) + len(e.prefilling), "waiting": len(e.waiting),
                 "kv_used_tokens": e.target.cache.used_tokens(),
-                "kv_free_slots": e.target.cache.num_free(), "kv_slots": e.target.cache.num_slots}
+                "kv_free_slots": e.target.cache.num_free(), "kv_slots": e.target.cache.num_slots,
+                "drafter_failures": getattr(e, "drafter_failures", 0)}
 
     # -- the worker thread -------------------------------------------------------------------
     def _send(self, request_id: str, item) -> None:
         ch = self._channels.get(request_id)
         if ch is not None:
-            ch.loop.call_soon_threadsafe(ch.queue.put_nowait, item)
+            ch.put(item)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -141,8 +195,10 @@ class EngineWorker:
                 _, rid, prompt, params, spec = cmd
                 try:
                     self.engine.add_request(rid, prompt, params, spec)
-                except Exception as e:  # invalid request: fail it alone
-                    self._send(rid, EngineError(str(e)))
+                except Exception as e:  # invalid request: fail it alone (the server validated
+                    # it first, so this is internal: the text goes to the log, not the client)
+                    log.error("engine refused request %s: %s: %s", rid, type(e).__name__, e)
+                    self._send(rid, EngineError("the engine could not start this request"))
             else:
                 self.engine.abort(cmd[1])
 
@@ -153,11 +209,13 @@ class EngineWorker:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            e = self.engine
+            in_step = [s.request_id for s in (*e.running, *e.prefilling, *e.waiting)]
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # a model step failed: fail what was in it, keep serving
+                outputs = e.step()
+            except Exception:  # a model step failed: fail what was in it, keep serving
                 log.exception("engine step failed")
-                self._fail_all(EngineError("the engine failed while generating this response"))
+                self._fail_step(in_step)
                 continue
             for out in outputs:
                 self._send(out.request_id, out)
@@ -168,6 +226,17 @@ class EngineWorker:
                 except Exception:  # an observer must never stop the engine
                     log.exception("step observer failed")
         self._fail_all(EngineError("the server is shutting down"))
+
+    def _fail_step(self, known: list[str]) -> None:
+        """After a failed step: fail every request the step held or took from the queue (its
+        outputs of that step are lost); requests still waiting for a slot stay queued."""
+        e = self.engine
+        still_waiting = {s.request_id for s in e.waiting}
+        err = EngineError("the engine failed while generating this response")
+        for rid in known:
+            if rid not in still_waiting:
+                e.abort(rid)
+                self._send(rid, err)
 
     def _fail_all(self, err: EngineError) -> None:
         e = self.engine

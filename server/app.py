@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
@@ -21,6 +22,7 @@ from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFul
 from . import protocol as P
 from .convert import APIError, Job, Limits, chat_job, check_model, completion_job
 from .generation import ChoiceEvent, JobRun
+from .limits import BodyLimits
 from .metrics import Metrics
 from .settings import ServerSettings
 
@@ -40,6 +42,44 @@ def error_event(message: str, type: str = "server_error", code: str | None = Non
 
 GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
+# documented responses (the OpenAPI schema is what clients and schemathesis check against)
+_ERRORS = {400: "invalid request", 401: "missing or wrong API key (when keys are set)",
+           408: "request body too slow", 413: "request body too large",
+           429: "request queue full", 503: "engine not ready"}
+ERROR_RESPONSES = {code: {"model": P.ErrorResponse, "description": d} for code, d in _ERRORS.items()}
+GENERATION_RESPONSES = {200: {"description": "the response; with stream=true, server-sent events: "
+                              "data: <chunk JSON> ... data: [DONE] (an error mid-stream: data: "
+                              "<error JSON>, then data: [DONE])"}, **ERROR_RESPONSES}
+STREAM_CHUNKS = {"/v1/completions": P.CompletionResponse, "/v1/chat/completions": P.ChatCompletionChunk}
+
+
+def _sse_event_schema(chunk: str) -> dict:
+    """One server-sent event (OpenAPI < 3.2: a text/event-stream schema describes each event)."""
+    ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json",
+         "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]}}}
+
+
+def _finish_schema(schema: dict) -> dict:
+    """FastAPI documents 422 for every body: specd answers validation errors with 400, so 422
+    goes; the streamed form of the generation responses is added (event schema per route)."""
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            op.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    for route, model in STREAM_CHUNKS.items():
+        defs = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in defs.pop("$defs", {}).items():
+            comps.setdefault(name, sub)
+        comps.setdefault(model.__name__, defs)
+        ok = schema["paths"][route]["post"]["responses"]["200"].setdefault("content", {})
+        ok["text/event-stream"] = {"schema": _sse_event_schema(model.__name__)}
+    return schema
+
 
 def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
                settings: ServerSettings, metrics: Metrics | None = None) -> FastAPI:
@@ -51,8 +91,14 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
     if metrics is None:
         metrics = Metrics(model_name, limits.drafter, limits.k_max)
     app.state.metrics = metrics
-    worker.observers.append(metrics.observe_step)
-    app.router.on_shutdown.append(lambda: worker.observers.remove(metrics.observe_step))
+    def observe(on: bool) -> None:  # metrics follow the engine while the app runs
+        if on and metrics.observe_step not in worker.observers:
+            worker.observers.append(metrics.observe_step)
+        elif not on and metrics.observe_step in worker.observers:
+            worker.observers.remove(metrics.observe_step)
+    observe(True)
+    app.router.on_startup.append(lambda: observe(True))
+    app.router.on_shutdown.append(lambda: observe(False))
 
     # -- errors in OpenAI's shape -------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -62,6 +108,10 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+        if err.get("type") == "json_invalid":
+            why = str((err.get("ctx") or {}).get("error", ""))[:100]
+            return error_response(400, f"request body is not valid JSON ({why})".replace(" ()", ""),
+                                  "invalid_request_error", None, "invalid_json")
         # drop "body" and pydantic's union-branch tags ("str", "list[int]", ...) from the path
         loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (
             isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "dict")))]
@@ -74,6 +124,9 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
     async def _http(_, e: StarletteHTTPException):
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code,
                                                                           "invalid_request_error")
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":
+            return error_response(400, "request body could not be parsed (not UTF-8 JSON)", kind,
+                                  None, "invalid_json")
         return error_response(e.status_code, str(e.detail), kind)
 
     @app.exception_handler(Exception)
@@ -81,11 +134,15 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
         log.exception("unhandled error")
         return error_response(500, "internal server error", "server_error")
 
-    # -- authentication, body size, request counts -----------------------------------------
+    # -- authentication, body size and time, request counts, CORS -----------------------------
+    # middleware order, outermost first: CORS (when configured), Guard (API key, counts),
+    # BodyLimits (reads the body: unauthenticated clients never get a body read)
+    app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes,
+                       body_timeout=settings.body_timeout_s)
     keys = [k.encode() for k in settings.api_keys]
 
     def refusal(request: Request) -> JSONResponse | None:
-        """401 without a valid API key (when keys are set), 413 for a declared body too large."""
+        """401 without a valid API key (when keys are set)."""
         if keys and request.url.path.startswith("/v1/"):
             auth = request.headers.get("authorization", "")
             given = auth[7:].encode() if auth[:7].lower() == "bearer " else b""
@@ -95,31 +152,51 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
             if not ok:
                 return error_response(401, "Incorrect or missing API key", "invalid_request_error",
                                       None, "invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return error_response(413, f"request body larger than {settings.max_body_bytes} bytes",
-                                  "invalid_request_error", None, "request_too_large")
         return None
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        """One middleware layer: refusals, then the request; generation requests are counted
-        by final status (refusals included)."""
-        endpoint = GENERATION_ROUTES.get(request.url.path) if request.method == "POST" else None
-        response = refusal(request)
-        if response is None:
-            try:
-                response = await call_next(request)
-            except Exception:
+    class Guard:
+        """Pure ASGI (a BaseHTTPMiddleware would hide client disconnects from the routes):
+        refusals, then the request; generation requests are counted by final status
+        (refusals included; an exception counts 500)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.inner(scope, receive, send)
+            request = Request(scope)
+            endpoint = GENERATION_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
+            refused = refusal(request)
+            if refused is not None:
+                await refused(scope, receive, send)
                 if endpoint:
-                    metrics.request(endpoint, 500)
-                raise
-        if endpoint:
-            metrics.request(endpoint, response.status_code)
-        return response
+                    metrics.request(endpoint, refused.status_code)
+                return
+            status = [500]
+
+            async def send_status(message):
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+            try:
+                await self.inner(scope, receive, send_status)
+            finally:
+                if endpoint:
+                    metrics.request(endpoint, status[0])
+
+    app.add_middleware(Guard)
+
+    if settings.cors_origins:  # off unless configured, and then only for the listed origins
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], allow_credentials=False)
+    openapi = app.openapi
+    app.openapi = lambda: _finish_schema(openapi())  # (idempotent on FastAPI's cached schema)
 
     # -- health, models, metrics ------------------------------------------------------------
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics():
         metrics.set_gauges(worker.stats())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -128,13 +205,13 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: ERROR_RESPONSES[503]})
     async def ready():
         if not (worker.running and worker.healthy):
             return error_response(503, "engine not ready", "server_error", None, "not_ready")
         return {"status": "ready", **worker.stats()}
 
-    @app.get("/v1/models", response_model=P.ModelList)
+    @app.get("/v1/models", response_model=P.ModelList, responses={401: ERROR_RESPONSES[401]})
     async def models():
         return P.ModelList(data=[P.ModelCard(id=n, created=started) for n in served])
 
@@ -219,7 +296,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
             yield {"data": "[DONE]"}
         return EventSourceResponse(events(), ping=15, sep="\n")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=P.CompletionResponse,
+              responses=GENERATION_RESPONSES)
     async def completions(req: P.CompletionRequest, request: Request):
         check_model(req.model, served)
         require_ready()
@@ -261,7 +339,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
 
         return stream(gen())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse,
+              responses=GENERATION_RESPONSES)
     async def chat(req: P.ChatCompletionRequest, request: Request):
         check_model(req.model, served)
         require_ready()

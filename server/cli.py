@@ -38,6 +38,7 @@ def cmd_serve(args) -> int:
 
     from .app import create_app
     from .convert import Limits
+    from .limits import uvicorn_config
     from .settings import ServerSettings, load_config_file
 
     data = load_config_file(args.config)
@@ -57,8 +58,8 @@ def cmd_serve(args) -> int:
     print(f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
           f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                    timeout_keep_alive=5)
+        uvicorn.Server(uvicorn_config(app, settings.host, settings.port, settings,
+                                      log_level=settings.log_level)).run()
     finally:
         worker.shutdown()
     return 0

@@ -6,6 +6,8 @@ default (``default_max_tokens``, ``default_temperature``, ``default_top_p``), el
 for chat). Speculation: the request's ``speculation`` extension (a fixed ``k``, or a ``k_max``
 cap on the controller; either above the server's ``spec_k_max`` is refused), else the engine's
 K controller (config ``drafter.controller``, adaptive by default) capped at ``spec_k_max``.
+A temperature below 1e-5 decodes greedily (as vLLM does: dividing logits by it overflows);
+``top_k`` above the vocabulary means no top-k.
 
 Everything specd cannot honour is refused here with a 400 that names the field.
 """
@@ -13,11 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .settings import ServerSettings
+
+
+MIN_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
@@ -113,16 +120,21 @@ def _params(req: _Sampling, s: ServerSettings, limits: Limits, prompt_len: int,
                   "context_length_exceeded")
     temperature = req.temperature if req.temperature is not None else (
         s.default_temperature if s.default_temperature is not None else 1.0)
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
     top_p = req.top_p if req.top_p is not None else (
         s.default_top_p if s.default_top_p is not None else 1.0)
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(req.top_k or 0, 0),
+    top_k = min(max(req.top_k or 0, 0), limits.vocab_size)
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                           max_tokens=max_tokens, seed=req.seed, logprobs=logprobs,
                           stop_token_ids=stop_ids)
 
 
-def _check_n(req: _Sampling, s: ServerSettings) -> None:
+def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:
     if req.n > s.max_n:
         raise bad(f"n must be <= {s.max_n}", "n")
+    if prompts * req.n > s.max_choices:
+        raise bad(f"prompts x n must be <= {s.max_choices}", "prompt")
 
 
 def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits: Limits) -> Job:
@@ -146,6 +158,7 @@ def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits:
     else:
         raise bad("prompt must be a non-empty string, list of strings, token ids or list of "
                   "token-id lists", "prompt")
+    _check_n(req, s, len(prompts))
     for ids in prompts:
         if not ids:
             raise bad("prompt is empty", "prompt")
@@ -172,7 +185,9 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     try:
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
     except Exception as e:  # a template that refuses the conversation (e.g. role order)
-        raise bad(f"messages could not be rendered by the model's chat template: {e}",
+        # the template's own message (raise_exception) is for the user; anything else is internal
+        why = str(e)[:200] if isinstance(e, TemplateError) else "the conversation is not valid"
+        raise bad(f"messages could not be rendered by the model's chat template: {why}",
                   "messages") from None
     return list(out["input_ids"])
 

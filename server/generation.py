@@ -87,7 +87,7 @@ class JobRun:
             if out.stats is not None:
                 self.tally.drafted += out.stats.drafted
                 self.tally.accepted += out.stats.accepted
-            self.tally.passes += 1
+            self.tally.passes += out.passes
             text = stops.feed(detok.add(out.new_token_ids, final=out.finished), final=out.finished)
             lps = None
             if want_lp and out.logprobs is not None:
@@ -111,7 +111,8 @@ class JobRun:
             async for ev in gens[0]:
                 yield ev
             return
-        q: asyncio.Queue = asyncio.Queue()
+        # bounded: when the reader stalls the pumps stop, and each engine channel merges outputs
+        q: asyncio.Queue = asyncio.Queue(maxsize=4 * len(gens))
         done = object()
 
         async def pump(g):

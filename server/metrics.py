@@ -15,6 +15,8 @@ Speculation (the terms are rejection.py's):
   specd_tokens_per_pass               histogram: tokens one sequence got from one target pass
   specd_draft_length                  histogram: K the controller chose, per sequence and round
   specd_round_phase_seconds{phase}    histogram: draft / verify / accept wall time of each round
+  specd_drafter_failures_total        drafter exceptions (or malformed proposals); each made its
+      requests fall back to plain decoding (output unchanged): increase(...[1h]) > 0 = alert
 Serving:
   specd_output_tokens_total, specd_prompt_tokens_total
       output tok/s = rate(specd_output_tokens_total[1m])
@@ -32,6 +34,7 @@ Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queu
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -82,6 +85,9 @@ class Metrics:
                                  "status (499: the client disconnected).", ["endpoint", "status"])
         self._finished = counter("specd_sequences_finished", "Sequences (choices) by finish reason: "
                                  "stop, length, abort, error.", ["finish_reason"])
+        self._drafter_failures = counter(
+            "specd_drafter_failures", "Drafter exceptions or malformed proposals; each made its "
+            "requests fall back to plain decoding (output unchanged). increase(...[1h]) > 0: alert")
         self._tpp = hist("specd_tokens_per_pass", "Tokens one sequence got from one target pass.",
                          tuple(range(1, k_max + 2)))
         self._k = hist("specd_draft_length", "Draft length K chosen per sequence and round.",
@@ -117,6 +123,9 @@ class Metrics:
         self.phase = {p: self._phase.labels(**lab, phase=p) for p in ("draft", "verify", "accept")}
         self.drafted_pos = [self._drafted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)]
         self.accepted_pos = [self._accepted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)]
+        self.drafter_failures = self._drafter_failures.labels(**lab)
+        self._failures_seen = 0  # the engine's running count, as last read
+        self._failures_lock = threading.Lock()  # read from the engine thread and from /metrics
         self._lab = lab
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -151,6 +160,12 @@ class Metrics:
         self._waiting.set(stats.get("waiting", 0))
         if stats.get("kv_slots"):
             self._kv.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
+        failures = stats.get("drafter_failures")
+        if failures is not None:  # the engine counts; the counter follows its increase
+            with self._failures_lock:
+                if failures > self._failures_seen:
+                    self.drafter_failures.inc(failures - self._failures_seen)
+                    self._failures_seen = failures
 
     # -- asyncio side ---------------------------------------------------------------------------
     def request(self, endpoint: str, status: int) -> None:

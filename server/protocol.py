@@ -12,9 +12,13 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 
+INT64 = 2 ** 63
+
+
 class _Req(BaseModel):
-    # unknown fields are ignored, as OpenAI's API does for forward compatibility
-    model_config = ConfigDict(extra="ignore")
+    # unknown fields are ignored, as OpenAI's API does for forward compatibility; NaN and
+    # infinities (which Python's JSON parser accepts) are refused in every number
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Req):
@@ -37,7 +41,7 @@ class _Sampling(_Req):
     top_k: Optional[int] = Field(None, ge=-1)  # extension; -1 or 0 = off
     n: int = Field(1, ge=1)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-INT64, lt=INT64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)

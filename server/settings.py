@@ -21,7 +21,13 @@ class ServerSettings:
     default_temperature: float | None = None  # None: OpenAI's (1.0)
     default_top_p: float | None = None  # None: OpenAI's (1.0)
     spec_k_max: int = 8  # cap on a request's speculation.k / k_max
+    max_choices: int = 64  # prompts x n of one request
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
+    header_timeout_s: float = 10.0  # a request head must arrive within this (else the connection closes)
+    max_header_bytes: int = 16384  # request head size (uvicorn answers 400 past it)
+    keep_alive_s: float = 5.0  # idle keep-alive connections close after this
+    cors_origins: list[str] = field(default_factory=list)  # empty: no CORS headers at all
     log_level: str = "info"
 
     @classmethod

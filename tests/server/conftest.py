@@ -1,6 +1,7 @@
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from engine.config import EngineConfig
 from engine.worker import EngineWorker
 from server.app import create_app
 from server.convert import Limits
+from server.limits import uvicorn_config
 from server.settings import ServerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -37,13 +39,12 @@ def built(real_fp32):
     return build_engine(cfg, real_fp32)
 
 
-@pytest.fixture(scope="session")
-def live(built):
-    """A real uvicorn server on a loopback port, serving the real model in fp32."""
-    worker = EngineWorker(built.engine)
-    worker.start()
+@contextmanager
+def serving(app, settings: ServerSettings | None = None):
+    """``app`` on a real uvicorn server (specd's transport limits) on a free loopback port, in a
+    thread; yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(make_app(built, worker), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, settings or ServerSettings(),
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -51,11 +52,21 @@ def live(built):
     while not server.started and time.time() < deadline:
         time.sleep(0.05)
     assert server.started
-    yield SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1", url=f"http://127.0.0.1:{port}",
-                          worker=worker, engine=built.engine, tokenizer=built.tokenizer,
-                          model=built.engine.target.model)
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def live(built):
+    """A real uvicorn server on a loopback port, serving the real model in fp32."""
+    worker = EngineWorker(built.engine)
+    worker.start()
+    with serving(make_app(built, worker)) as url:
+        yield SimpleNamespace(base_url=f"{url}/v1", url=url, worker=worker, engine=built.engine,
+                              tokenizer=built.tokenizer, model=built.engine.target.model)
     worker.shutdown()
 
 

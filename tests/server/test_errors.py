@@ -34,13 +34,27 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ({"model": "gpt-4"}, "model"),
     ({"temperature": 3}, "temperature"),
     ({"temperature": -0.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),  # wrong types
+    ({"stream": "maybe"}, "stream"),
+    ({"n": 1.5}, "n"),
+    ({"stop": 5}, "stop"),
     ({"top_p": 0}, "top_p"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, None),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": 2**70}, "seed"),
+    ({"messages": []}, "messages"),  # empty / malformed messages
+    ({"messages": "hi"}, "messages"),
+    ({"messages": ["hi"]}, "messages.0"),
+    ({"messages": [{"content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     None),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),  # unknown role
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**9}, "max_tokens"),
     ({"n": 100}, "n"),
+    ({"n": 0}, "n"),
     ({"stop": ["a", ""]}, "stop"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -49,12 +63,67 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # logprobs above the cap
     ({"speculation": {"k": 99}}, "speculation.k"),
     ({"speculation": {"method": "draft"}}, "speculation.method"),
 ])
 def test_chat_bad_fields(api, patch, param):
     r = api.post("/v1/chat/completions", json={**CHAT, **patch})
     assert_error(r, 400, param)
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs"),  # above the cap (max_logprobs = 20)
+    ({"logprobs": -1}, "logprobs"),
+    ({"n": 9}, "n"),
+    ({"prompt": ["x"] * 65}, "prompt"),  # prompts x n above max_choices
+    ({"prompt": ["x"] * 10, "n": 8}, "prompt"),
+    ({"prompt": {"text": "x"}}, "prompt"),
+    ({"echo": "sometimes"}, "echo"),
+    ({"model": "text-davinci-003"}, "model"),
+])
+def test_completion_bad_fields(api, patch, param):
+    r = api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **patch})
+    assert_error(r, 400, param)
+
+
+@pytest.mark.parametrize("raw,param", [
+    ('"temperature": NaN', "temperature"),
+    ('"temperature": Infinity', "temperature"),
+    ('"top_p": -Infinity', "top_p"),
+    ('"presence_penalty": NaN', "presence_penalty"),
+    ('"max_tokens": NaN', "max_tokens"),
+    ('"logit_bias": {"5": Infinity}', "logit_bias.5"),
+])
+def test_nan_and_infinity_refused(api, raw, param):
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], {raw}}}'
+    r = api.post("/v1/chat/completions", content=body.encode(),
+                 headers={"content-type": "application/json"})
+    assert_error(r, 400, param)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "\xff\xfe", "prompt": "x"}',
+    b'{"model": "' + MODEL.encode() + b'", "prompt": "caf\xe9"}',
+    b'\xff\xfe\x00{',
+])
+def test_invalid_utf8_refused(api, body):
+    with pytest.raises(UnicodeDecodeError):
+        body.decode()
+    r = api.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400)
+
+
+@pytest.mark.parametrize("body,ctype", [
+    (b"[1, 2, 3]", "application/json"),  # JSON, but not an object
+    (b'"prompt"', "application/json"),
+    (b"", "application/json"),
+    (b"{" * 100000, "application/json"),  # deeply nested garbage
+    (b'{"model": "x", "prompt": "x"', "application/json"),  # truncated
+])
+def test_malformed_bodies(api, body, ctype):
+    assert_error(api.post("/v1/completions", content=body, headers={"content-type": ctype}), 400)
 
 
 def test_prompt_longer_than_context(api):
@@ -88,9 +157,21 @@ def test_not_found_and_method_not_allowed(api):
     assert_error(api.get("/v1/chat/completions"), 405)
 
 
-def test_body_too_large(api):
+def test_body_too_large(api, live):
     r = api.post("/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
     assert_error(r, 413)
+    # chunked (no Content-Length): refused once the received bytes pass the limit
+    chunks = (b"x" * 65536 for _ in range(40))
+    r = httpx.post(f"{live.base_url}/completions", content=chunks, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert_error(r, 413)
+
+
+def test_still_serves_after_bad_input(api):
+    """Runs after the bad-input tests above: the same server answers a good request."""
+    r = api.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert api.get("/ready").json()["status"] == "ready"
 
 
 def test_api_keys(built, live):

@@ -1,0 +1,171 @@
+"""Fault injection: a failing drafter falls back to plain decoding (output still exact, fault
+counted); a failing target step fails only the requests in it; a stalled reader never blocks the
+engine (its outputs merge in a bounded buffer, losslessly)."""
+import asyncio
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.drafters import ModelDrafter, NgramDrafter
+from engine.drafters.base import Proposal
+from engine.engine import SpecEngine
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from engine.worker import EngineError, EngineWorker
+
+
+@pytest.fixture(scope="module")
+def models():
+    def make(seed, layers):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=512, tie_word_embeddings=False)
+        return LlamaForCausalLM(cfg).eval()
+    return make(5, 3), make(6, 1)
+
+
+def engine_for(models, drafter="model", slots=8):
+    target, draft = models
+    runner = ModelRunner(target, num_slots=slots, max_len=256)
+    d = (ModelDrafter(ModelRunner(draft, num_slots=slots, max_len=256), 64) if drafter == "model"
+         else NgramDrafter("cpu") if drafter == "ngram" else None)
+    return SpecEngine(runner, d, eos_token_ids=[], max_prefill_per_step=4)
+
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)), [7] * 5]
+GREEDY = SamplingParams(temperature=0, max_tokens=30)
+
+
+_plain = {}
+
+
+def plain(models):
+    """Target-only greedy outputs of PROMPTS (computed once)."""
+    if not _plain:
+        e = engine_for(models, None)
+        _plain["out"] = [s.output_ids for s in e.generate(PROMPTS, GREEDY, SpecParams(enabled=False))]
+    return _plain["out"]
+
+
+def idle(e):
+    return (not e.has_work() and e.target.cache.used_tokens() == 0
+            and (e.drafter is None or not hasattr(e.drafter, "cache")
+                 or e.drafter.cache.used_tokens() == 0))
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_drafter_that_always_raises_falls_back_to_exact_plain_decoding(models, drafter):
+    e = engine_for(models, drafter)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected drafter fault")
+    e.drafter.propose = boom
+    seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
+    assert [s.output_ids for s in seqs] == plain(models)
+    assert e.drafter_failures == 1  # one batched propose failed; its rows then decode plainly
+    assert all(s.drafted == 0 and not s.spec.enabled for s in seqs)
+    assert idle(e)
+
+
+def test_drafter_failing_mid_propose_keeps_output_exact_and_later_requests_speculate(models):
+    e = engine_for(models, "model")
+    runner = e.drafter.runner
+    real = runner.forward
+    calls = {"n": 0}
+
+    def flaky(*a, **k):  # calls 1-3 prefill the 3 prompts; call 6 = 3rd draft step of round 1
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("injected draft forward fault")
+        return real(*a, **k)
+    runner.forward = flaky
+    seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
+    assert [s.output_ids for s in seqs] == plain(models)
+    assert e.drafter_failures == 1
+    del runner.forward
+    again = e.generate(PROMPTS[:1], GREEDY, SpecParams(k=3))[0]  # a new request drafts again
+    assert again.output_ids == plain(models)[0] and again.drafted > 0
+    assert idle(e)
+
+
+@pytest.mark.parametrize("fault", ["add", "commit", "remove", "malformed"])
+def test_other_drafter_faults_are_exact_and_counted(models, fault):
+    e = engine_for(models, "model")
+    d = e.drafter
+    if fault == "malformed":
+        d.propose = lambda seqs, plan: Proposal(torch.zeros(len(seqs) + 1, 2, dtype=torch.long),
+                                                [2] * len(seqs), None)
+    else:
+        def boom(*a, **k):
+            raise RuntimeError(f"injected {fault} fault")
+        setattr(d, fault, boom)
+    seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
+    assert [s.output_ids for s in seqs] == plain(models)
+    assert e.drafter_failures >= 1
+    assert not e.has_work() and e.target.cache.used_tokens() == 0
+
+
+async def collect(w, rid, prompt, params, spec=None):
+    return [t async for o in w.submit(rid, prompt, params, spec or SpecParams(k=2))
+            for t in o.new_token_ids]
+
+
+def test_target_step_fault_fails_only_the_requests_in_the_step(models):
+    """One KV slot: 'a' runs, 'b' waits for the slot. The step fails: 'a' gets an error, 'b'
+    (not in the step) still completes exactly, and the worker serves the next request."""
+    ref = plain(models)
+    e = engine_for(models, "ngram", slots=1)
+    w = EngineWorker(e)
+    real = e.step
+    calls = {"n": 0}
+
+    def faulty():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected target fault")
+        return real()
+    e.step = faulty
+    w.start()
+    try:
+        async def main():
+            a = asyncio.create_task(collect(w, "a", PROMPTS[0], GREEDY))
+            await asyncio.sleep(0)  # 'a' is submitted first
+            b = asyncio.create_task(collect(w, "b", PROMPTS[1], GREEDY))
+            return await asyncio.gather(a, b, return_exceptions=True)
+        a, b = asyncio.run(asyncio.wait_for(main(), 60))
+        assert isinstance(a, EngineError) and "injected" not in str(a)
+        assert b == ref[1]
+        assert asyncio.run(collect(w, "c", PROMPTS[2], GREEDY)) == ref[2]
+        assert e.target.cache.used_tokens() == 0
+    finally:
+        w.shutdown()
+
+
+def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(models):
+    ref = plain(models)
+    long = SamplingParams(temperature=0, max_tokens=120)
+    ref_long = engine_for(models, None).generate([PROMPTS[0]], long, SpecParams(enabled=False))[0]
+    e = engine_for(models, "ngram")
+    w = EngineWorker(e, max_buffered=4)
+    w.start()
+    try:
+        async def main():
+            stalled = w.submit("stalled", PROMPTS[0], long, SpecParams(k=2))
+            first = await stalled.__anext__()  # read one output, then stop reading
+            other = await collect(w, "other", PROMPTS[1], GREEDY)
+            while e.has_work():  # the stalled request runs to its end in the engine
+                await asyncio.sleep(0.01)
+            ch = w._channels["stalled"]
+            buffered, merged = len(ch.items), ch.merged
+            rest = [t async for o in stalled for t in o.new_token_ids]  # the reader comes back
+            return other, first.new_token_ids + rest, buffered, merged
+        other, stalled_out, buffered, merged = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        w.shutdown()
+    assert other == ref[1]
+    assert stalled_out == ref_long.output_ids
+    assert buffered <= 4 and merged > 0
+    assert e.target.cache.used_tokens() == 0
