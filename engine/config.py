@@ -34,8 +34,8 @@ class DrafterConfig:
     controller: str = "adaptive"
     k: int = 4
     k_max: int = 8  # the largest K any round may draft
-    min_gain: float = 0.03  # adaptive: speculate only when predicted goodput beats K=0 by this
-    probe_interval: int = 8  # adaptive: after this many rounds at K=0, one round drafts probe_k
+    min_gain: float = 0.01  # adaptive: speculate only when predicted goodput beats K=0 by this
+    probe_interval: int = 2  # adaptive: after this many rounds at K=0, one round drafts probe_k
     probe_k: int = 2
     probe_budget: float = 0.02  # adaptive: at most this share of time on probes (spaces them out)
 

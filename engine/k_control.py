@@ -24,7 +24,9 @@ P = 1 - Π_i (1 - m_i), the chance that some row drafts, a round asked for w cos
 (emitted tokens per second),
     K* = argmax_w  Σ_i E(α_i, min(w, cap_i)) / T̄(B, w),
 and row i drafts K_i = min(K*, cap_i) (cap_i: the request's k_max, its remaining tokens, the
-context). K* = 0, plain decoding, unless some w beats it by ``min_gain``. Because T grows with B·w
+context). K* = 0, plain decoding, unless some w beats it by ``min_gain`` (1%: a round at K = 0
+observes nothing, so near a tie drafting is worth more than its predicted goodput says; replaying
+real n-gram traces, loadtest/replay_k.py, 3% gave 1% less throughput). Because T grows with B·w
 while the gain of a row does not, speculation shrinks and switches off by itself as the batch
 grows, and only where the measured costs say so: no batch-size table.
 
@@ -258,7 +260,7 @@ class AdaptiveK(KController):
     name = "adaptive"
 
     def __init__(self, k_max: int, steps_per_width=lambda w: w, decay: float = 0.95,
-                 min_gain: float = 0.03, probe_interval: int = 8, probe_k: int = 2,
+                 min_gain: float = 0.01, probe_interval: int = 2, probe_k: int = 2,
                  probe_budget: float = 0.02, cost: RoundCost | None = None):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w

@@ -22,6 +22,7 @@ def controller(true_cost, k_max=8, **kw):
     for batch in (1, 4):
         for w in (0, 2, 6):
             cost.add_calibration(batch, w, true_cost(batch, w, 0)[0])
+    kw.setdefault("probe_interval", 8)  # probes rare enough that "mostly K = 0" means something
     return AdaptiveK(k_max, cost=cost, **kw)
 
 
