@@ -14,7 +14,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFullError
@@ -22,7 +21,7 @@ from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFul
 from . import protocol as P
 from .convert import APIError, Job, Limits, chat_job, check_model, completion_job
 from .generation import ChoiceEvent, JobRun
-from .limits import BodyLimits
+from .limits import BodyLimits, StalledReaderSSE
 from .metrics import Metrics
 from .settings import ServerSettings
 
@@ -285,7 +284,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
     def include_usage(req) -> bool:
         return bool(req.stream_options and req.stream_options.include_usage)
 
-    def stream(body: AsyncIterator[dict]) -> EventSourceResponse:
+    def stream(body: AsyncIterator[dict]) -> StalledReaderSSE:
         """SSE response; an engine failure mid-stream becomes an error event, then [DONE]."""
         async def events():
             try:
@@ -294,7 +293,8 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
             except (EngineError, QueueFullError, NotAcceptingError) as e:
                 yield error_event(str(e))
             yield {"data": "[DONE]"}
-        return EventSourceResponse(events(), ping=15, sep="\n")
+        return StalledReaderSSE(events(), ping=15, sep="\n",
+                                send_timeout=settings.stream_send_timeout_s)
 
     @app.post("/v1/completions", response_model=P.CompletionResponse,
               responses=GENERATION_RESPONSES)

@@ -119,10 +119,13 @@ class JobRun:
             try:
                 async for ev in g:
                     await q.put(ev)
-            except BaseException as e:  # forwarded to the consumer
+                await q.put(done)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # forwarded to the consumer
                 await q.put(e)
             finally:
-                await q.put(done)
+                await g.aclose()  # (cancelled at q.put: g's cleanup, the engine abort, runs now)
 
         tasks = [asyncio.create_task(pump(g)) for g in gens]
         remaining = len(tasks)

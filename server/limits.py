@@ -7,15 +7,22 @@
 * :class:`HeaderDeadlineH11` (uvicorn protocol): a connection must deliver a complete request
   head within ``header_timeout`` seconds of connecting or of its previous response (slowloris);
   h11's ``max_incomplete_event_size`` bounds the head's size (uvicorn answers 400 past it).
+* :class:`StalledReaderSSE`: a streamed response whose client has not taken a single write for
+  ``send_timeout`` seconds is closed (the request is aborted and its buffer freed); until then a
+  stalled reader costs the engine nothing (engine/worker.py bounds each request's buffer).
 * :func:`uvicorn_config` puts them together with a short keep-alive.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import uvicorn
 from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse, SendTimeoutError
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("specd.server")
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -78,6 +85,21 @@ class BodyLimits:
             parts.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(parts)
+
+
+def _only_send_timeouts(e: BaseException) -> bool:
+    subs = getattr(e, "exceptions", None)  # an exception group from the response's task group
+    return isinstance(e, SendTimeoutError) or bool(subs) and all(map(_only_send_timeouts, subs))
+
+
+class StalledReaderSSE(EventSourceResponse):
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception as e:  # noqa: BLE001
+            if not _only_send_timeouts(e):
+                raise
+            log.warning("closed a stream whose client stopped reading for %s s", self.send_timeout)
 
 
 class HeaderDeadlineH11(H11Protocol):

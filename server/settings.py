@@ -27,6 +27,7 @@ class ServerSettings:
     header_timeout_s: float = 10.0  # a request head must arrive within this (else the connection closes)
     max_header_bytes: int = 16384  # request head size (uvicorn answers 400 past it)
     keep_alive_s: float = 5.0  # idle keep-alive connections close after this
+    stream_send_timeout_s: float = 60.0  # a stream whose client takes nothing for this long closes
     cors_origins: list[str] = field(default_factory=list)  # empty: no CORS headers at all
     log_level: str = "info"
 

@@ -40,13 +40,19 @@ def built(real_fp32):
 
 
 @contextmanager
-def serving(app, settings: ServerSettings | None = None):
+def serving(app, settings: ServerSettings | None = None, sndbuf: int | None = None):
     """``app`` on a real uvicorn server (specd's transport limits) on a free loopback port, in a
-    thread; yields its base URL."""
-    port = free_port()
+    thread; yields its base URL. ``sndbuf``: the connections' kernel send buffer (no autotuning),
+    so that a client that stops reading blocks the server's writes early."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, settings or ServerSettings(),
                                            log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not server.started and time.time() < deadline:

@@ -1,9 +1,12 @@
 """Fault injection through the HTTP server: a drafter that raises costs no token (the response is
 the one speculation off gives) and shows in specd_drafter_failures_total."""
+import json
+import time
+
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, make_app, serving
 from tests.server.test_metrics import scrape, total
 
 pytestmark = pytest.mark.real_model
@@ -30,3 +33,76 @@ def test_drafter_fault_falls_back_exactly_and_is_counted(live, monkeypatch):
         again = c.post("/chat/completions", json={**body, "speculation": {"k": 4}}).json()
         assert again["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
         assert again["usage"]["speculation"]["drafted_tokens"] > 0  # the drafter is back
+
+
+def sse_texts(lines, n: int) -> list[str]:
+    """Per-choice text of a chat completion stream (SSE lines), which must end with [DONE]."""
+    texts = [""] * n
+    last = None
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        last = line[6:]
+        if last == "[DONE]":
+            break
+        for c in json.loads(last)["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+    assert last == "[DONE]"
+    return texts
+
+
+def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(built, live, monkeypatch):
+    """A client opens a big stream (2 choices x 200 tokens with top-20 logprobs: over half a
+    megabyte of events) and reads nothing: the server's writes block (16 KiB send buffer), its
+    per-request buffers (4 outputs here) merge, and meanwhile
+    another request is served exactly and the stalled request itself runs to its end in the
+    engine (KV cache freed). Then the client reads: every token is there."""
+    engine, worker = live.engine, live.worker
+    msgs = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
+    big = {"model": MODEL, "max_tokens": 200, "temperature": 0, "messages": msgs,
+           "speculation": {"enabled": False}}  # one output per token: many outputs
+    monkeypatch.setattr(worker, "max_buffered", 4)
+    other = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+             "messages": [{"role": "user", "content": "Name three colors."}]}
+    with httpx.Client(base_url=live.base_url, timeout=300) as c:
+        ref_big = c.post("/chat/completions", json=big).json()["choices"][0]["message"]["content"]
+        ref_other = c.post("/chat/completions", json=other).json()["choices"][0]["message"]["content"]
+        with serving(make_app(built, worker), sndbuf=16384) as url, \
+                httpx.Client(base_url=f"{url}/v1", timeout=300) as stalled:
+            with stalled.stream("POST", "/chat/completions", json={
+                    **big, "n": 2, "stream": True, "logprobs": True, "top_logprobs": 20}) as r:
+                assert r.status_code == 200  # headers read; the body is left unread
+                got = c.post("/chat/completions", json=other).json()
+                assert got["choices"][0]["message"]["content"] == ref_other
+                deadline = time.time() + 240
+                while (engine.running or engine.waiting) and time.time() < deadline:
+                    time.sleep(0.1)
+                assert not engine.running and engine.target.cache.used_tokens() == 0
+                merged = sum(ch.merged for ch in list(worker._channels.values()))
+                assert merged > 0  # the reader really stalled: outputs were merged, not queued
+                assert sse_texts(r.iter_lines(), 2) == [ref_big, ref_big]
+
+
+def test_stream_closed_when_the_reader_stalls_past_the_send_timeout(built, live):
+    """After ``stream_send_timeout_s`` without the client taking a write, the server closes the
+    stream: its request is aborted in the engine (KV slot freed) long before max_tokens."""
+    engine, worker = live.engine, live.worker
+    app = make_app(built, worker, stream_send_timeout_s=1.0)
+    body = {"model": MODEL, "max_tokens": 900, "temperature": 0, "stream": True, "n": 2,
+            "logprobs": True, "top_logprobs": 20,
+            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]}
+    with serving(app, sndbuf=16384) as url, \
+            httpx.Client(base_url=f"{url}/v1", timeout=300) as stalled:
+        with stalled.stream("POST", "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            deadline = time.time() + 30
+            while not engine.running and time.time() < deadline:
+                time.sleep(0.02)
+            seqs = list(engine.running)
+            assert seqs
+            deadline = time.time() + 240
+            while (engine.running or worker._channels) and time.time() < deadline:
+                time.sleep(0.1)
+            assert all(s.finish_reason == "abort" for s in seqs), [s.finish_reason for s in seqs]
+            assert all(len(s.output_ids) < 900 for s in seqs)
+            assert not worker._channels and engine.target.cache.used_tokens() == 0
