@@ -16,8 +16,9 @@ import yaml
 
 
 @contextmanager
-def specd_server(config: Path, max_running: int):
-    """``specd serve`` in a child process on a free loopback port; yields (base_url, pid)."""
+def specd_server(config: Path, max_running: int, dtype: str | None = None):
+    """``specd serve`` in a child process on a free loopback port (at least ``max_running``
+    sequences, ``dtype`` overriding the config's); yields (base_url ending in /v1, pid)."""
     data = yaml.safe_load(config.read_text()) or {}
     data.setdefault("engine", {})["max_running"] = max(data["engine"].get("max_running", 1), max_running)
     with socket.socket() as s:
@@ -27,7 +28,8 @@ def specd_server(config: Path, max_running: int):
         yaml.safe_dump(data, f)
     env = dict(os.environ, HF_HUB_OFFLINE="1", SPECD_LOG_LEVEL="warning")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", f.name,
-                             "--host", "127.0.0.1", "--port", str(port)], env=env)
+                             "--host", "127.0.0.1", "--port", str(port)]
+                            + (["--dtype", dtype] if dtype else []), env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

@@ -23,19 +23,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import yaml
+
+from loadtest.server_proc import specd_server
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SPEC_MODES = [None, None, {"k": 4}, {"enabled": False}]  # adaptive twice as often
@@ -120,40 +117,9 @@ def rss_mib(pid: int) -> float:
 
 @contextmanager
 def specd_child(config: Path, clients: int, dtype: str = "float32"):
-    """``specd serve`` in a child process on a free loopback port; yields (base_url, pid)."""
-    data = yaml.safe_load(config.read_text()) or {}
-    eng = data.setdefault("engine", {})
-    eng["max_running"] = max(eng.get("max_running", 1), clients)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(data, f)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECD_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", f.name,
-                             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"specd serve exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("specd serve did not become ready")
-            time.sleep(0.5)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        os.unlink(f.name)
+    """``specd serve`` in a child process on a free loopback port; yields (server url, pid)."""
+    with specd_server(config, clients, dtype) as (base_url, pid):
+        yield base_url.removesuffix("/v1"), pid
 
 
 class Soak:
