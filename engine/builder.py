@@ -1,6 +1,7 @@
 """Build a :class:`SpecEngine` (target runner + drafter) from an :class:`EngineConfig`."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -9,9 +10,12 @@ from .config import EngineConfig
 from .drafters import ModelDrafter, NgramDrafter
 from .drafters.model import check_same_vocab
 from .engine import SpecEngine
+from .fast_forward import attach
 from .k_control import AdaptiveK, FixedK, HeuristicK, KController
 from .loader import load_model
 from .model_runner import ModelRunner
+
+log = logging.getLogger("specd.builder")
 
 
 @dataclass
@@ -44,6 +48,20 @@ def make_controller(d, drafter) -> KController:
     raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
 
 
+def _native_q4(spec: str, runner: ModelRunner, drafter) -> None:
+    from .loader import resolve_spec
+    from .quant import convert_q4_1
+    r = resolve_spec(spec)
+    if r.kind != "gguf":
+        log.warning("model.native_q4 needs a GGUF model spec; keeping dense weights")
+        return
+    n = convert_q4_1(r.location, runner, runner.dtype)
+    log.info("native_q4: %d Q4_1 matrices kept 4-bit", n)
+    draft = getattr(drafter, "runner", None)
+    if n and draft is not None and draft.model is runner.model:  # self / layers drafter
+        draft.weights = runner.weights[:len(draft.weights)]
+
+
 def build_engine(cfg: EngineConfig, target=None) -> Built:
     """``target`` may pass an already loaded (model, tokenizer) pair (tests share one)."""
     if cfg.threads:
@@ -64,17 +82,23 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         draft_model = model
         if d.dtype and d.dtype != m.dtype:
             draft_model, _ = load_model(m.spec, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
-        drafter = ModelDrafter(ModelRunner(draft_model, cfg.max_running, runner.max_len, layers),
+        drafter = ModelDrafter(ModelRunner(draft_model, cfg.max_running, runner.max_len, layers,
+                                           name="draft"),
                                vocab, name=f"{d.method}{layers or ''}")
     elif d.method == "model":
         if not d.spec:
             raise ValueError("drafter.method 'model' needs drafter.spec")
         dm, dtok = load_model(d.spec, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
         check_same_vocab(tok, dtok)
-        drunner = ModelRunner(dm, cfg.max_running, runner.max_len)
+        drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     else:
         raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
+    if m.native_q4:
+        _native_q4(m.spec, runner, drafter)
+    attach(runner, cfg.compile, d.k_max)
+    if getattr(drafter, "runner", None) is not None:
+        attach(drafter.runner, cfg.compile, d.k_max)
     engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step,
                         cfg.prefill_chunk_tokens, make_controller(d, drafter), d.k_max)
     return Built(engine, tok, cfg)

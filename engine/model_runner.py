@@ -9,10 +9,14 @@ position, ``kv_pos <= query_pos``. The same loop with only the first N layers is
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from .kv_cache import SlotKVCache
+from .quant import q4_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -26,14 +30,84 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm, as a function (in float32, scaled in the input dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    act: str  # "silu" | "gelu_pytorch_tanh" | ...
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the 4-bit matmul for a GGUF Q4_1 weight kept as stored (engine/quant.py)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    y = q4_linear(x, w.packed, w.scale_zero)
+    return y if b is None else y + b
+
+
+def decoder_layer(h, w: tuple, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot: int | None,
+                  shape: LayerShape) -> torch.Tensor:
+    """One Llama-family decoder layer over the slot cache, weights passed in, so one compiled
+    graph serves every layer. h ``[batch, q, hidden]``; cos/sin ``[batch, 1, q, head_dim]``; mask
+    ``[batch, 1, q, kv_len]``; kc/vc this layer's cache ``[slots, kv_heads, max_len+1, head_dim]``
+    (written in place at ``write_pos`` of rows ``slot_t``)."""
+    ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd, qn, kn = w
+    B, q, _ = h.shape
+    nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
+    kv_len = mask.shape[-1]
+    x = rms_norm(h, ln1, shape.eps)
+    qs = linear(x, wq, bq).view(B, q, nh, hd)
+    ks = linear(x, wk, bk).view(B, q, kvh, hd)
+    vs = linear(x, wv, bv).view(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
+    if qn is not None:  # qwen3
+        qs, ks = rms_norm(qs, qn, shape.eps), rms_norm(ks, kn, shape.eps)
+    qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [batch, heads, q, head_dim]
+    qs = qs * cos + _rotate_half(qs) * sin
+    ks = ks * cos + _rotate_half(ks) * sin
+    kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
+    vc[slot_t[:, None], :, write_pos] = vs
+    if first_slot is not None:
+        keys = kc[first_slot:first_slot + B, :, :kv_len]  # view: [batch, kv_heads, kv_len, head_dim]
+        vals = vc[first_slot:first_slot + B, :, :kv_len]
+    else:
+        keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
+    o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=hd ** -0.5,
+                                       enable_gqa=kvh != nh)  # [batch, heads, q, head_dim]
+    h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), wo)
+    x = rms_norm(h, ln2, shape.eps)
+    g = linear(x, wg)
+    g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)
+    return h + linear(g * linear(x, wu), wd)
+
+
+def layer_weights(layer) -> tuple:
+    a, m = layer.self_attn, layer.mlp
+    qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    return (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+            a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight,
+            layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+            m.down_proj.weight, qn.weight if qn is not None else None,
+            kn.weight if kn is not None else None)
+
+
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_len: int, num_layers: int | None = None):
+    def __init__(self, model, num_slots: int, max_len: int, num_layers: int | None = None,
+                 name: str = "target"):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {cfg.model_type!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})")
-        self.model = model
+        self.model, self.name = model, name
         self.config = cfg
         base = model.model
         self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
@@ -48,11 +122,17 @@ class ModelRunner:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.vocab_size = self.lm_head.out_features
+        norm = layers[0].input_layernorm
+        self.shape = LayerShape(self.num_heads, self.kv_heads, self.head_dim,
+                                float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
+                                getattr(cfg, "hidden_act", "silu"))
+        self.weights = [layer_weights(layer) for layer in layers]
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_len = min(max_len, getattr(cfg, "max_position_embeddings", max_len))
         self.cache = SlotKVCache(len(layers), num_slots, self.kv_heads, self.head_dim,
                                  self.max_len, self.dtype, self.device)
+        self.fast = None  # a FastForward (engine/fast_forward.py) once compiled
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -64,7 +144,10 @@ class ModelRunner:
         ints) giving the valid prefix of each row (so drafted tokens never leave the device).
         Returns ``logits="last"`` -> ``[batch, vocab]`` at each row's last valid token, or
         ``logits="all"`` -> ``[batch, q, vocab]`` (positions past a row's count are garbage).
-        Committed lengths are *not* changed: the caller commits what it keeps."""
+        Committed lengths are *not* changed: the caller commits what it keeps.
+
+        Small forwards (decode steps, verifies, draft steps) go through the compiled fixed-shape
+        path when one is attached (:mod:`engine.fast_forward`); prefill chunks run eagerly."""
         cache, dev = self.cache, self.device
         if isinstance(tokens, torch.Tensor):
             assert counts is not None
@@ -78,44 +161,51 @@ class ModelRunner:
         kv_len = max(s + n for s, n in zip(starts, counts))
         if kv_len > cache.max_len:
             raise ValueError("forward past the cache's max_len")
-        # host-built index tensors (no device sync): positions and write positions per token
-        pos = torch.tensor([[s + min(j, n - 1) for j in range(q)] for s, n in zip(starts, counts)])
-        valid = torch.tensor([[j < n for j in range(q)] for n in counts])
-        write_pos = torch.where(valid, pos, torch.full_like(pos, cache.scratch_pos))
-        pos, write_pos = pos.to(dev), write_pos.to(dev)  # [batch, q]
-        slot_t = torch.tensor(slots, device=dev)  # [batch]
-        contiguous = slots == list(range(slots[0], slots[0] + B))
-
-        h = self.embed(ids)  # [batch, q, hidden]
-        cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
-        kv_idx = torch.arange(kv_len, device=dev)
-        mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            qs = attn.q_proj(x).view(B, q, self.num_heads, self.head_dim)
-            ks = attn.k_proj(x).view(B, q, self.kv_heads, self.head_dim)
-            vs = attn.v_proj(x).view(B, q, self.kv_heads, self.head_dim)  # [batch, q, kv_heads, head_dim]
-            if hasattr(attn, "q_norm"):  # qwen3
-                qs, ks = attn.q_norm(qs), attn.k_norm(ks)
-            qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [batch, heads, q, head_dim]
-            qs = qs * cos + _rotate_half(qs) * sin
-            ks = ks * cos + _rotate_half(ks) * sin
-            kc, vc = cache.k[i], cache.v[i]  # [slots, kv_heads, max_len+1, head_dim]
-            kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
-            vc[slot_t[:, None], :, write_pos] = vs
-            if contiguous:
-                keys = kc[slots[0]:slots[0] + B, :, :kv_len]  # view: [batch, kv_heads, kv_len, head_dim]
-                vals = vc[slots[0]:slots[0] + B, :, :kv_len]
-            else:
-                keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-            o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask,
-                                               scale=self.head_dim ** -0.5,
-                                               enable_gqa=self.kv_heads != self.num_heads)
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(B, q, self.num_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = None
+        if self.fast is not None and self.fast.handles(slots, q):
+            try:
+                h = self.fast.run(ids, slots, starts, counts)  # [batch, q, hidden], normed
+            except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
+                from .fast_forward import disable
+                disable(self, e)  # the eager forward below rewrites every position it wrote
+        if h is None:
+            pos, write_pos = self.positions(starts, counts, q)
+            contiguous = slots == list(range(slots[0], slots[0] + B))
+            slot_t = torch.tensor(slots, device=dev)  # [batch]
+            kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
+            h = self.layers_forward(ids, pos.to(dev), write_pos.to(dev), slot_t, kv_idx,
+                                    slots[0] if contiguous else None)
         if logits == "last":
             last = torch.tensor([n - 1 for n in counts], device=dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
-        return self.lm_head(self.norm(h)).float()  # [batch, vocab] or [batch, q, vocab]
+        return self.lm_head(h).float()  # [batch, vocab] or [batch, q, vocab]
+
+    def positions(self, starts: list[int], counts: list[int], q: int):
+        """Host-built index tensors (no device sync): the position of every query token, and where
+        its K/V is written (padding past a row's count goes to the scratch column)."""
+        pos = torch.tensor([[s + min(j, max(n, 1) - 1) for j in range(q)]
+                            for s, n in zip(starts, counts)])  # [batch, q]
+        valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
+        write_pos = torch.where(valid, pos, torch.full_like(pos, self.cache.scratch_pos))
+        return pos, write_pos
+
+    def layers_forward(self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor,
+                       slot_t: torch.Tensor, kv_idx: torch.Tensor, first_slot: int | None,
+                       layer_fn=None) -> torch.Tensor:
+        """The decoder stack over the slot cache.
+
+        ids, pos, write_pos ``[batch, q]``; slot_t ``[batch]``; kv_idx ``arange(kv_len)``: keys
+        are read up to kv_len. ``first_slot``: rows are the consecutive slots from there (keys
+        are read as a view), or None (keys gathered by slot_t). ``layer_fn``: the compiled
+        :func:`decoder_layer` (engine/fast_forward.py), default eager. Returns the final-normed
+        hidden states ``[batch, q, hidden]``; K/V of every query token written in place."""
+        layer_fn = layer_fn or decoder_layer
+        cache = self.cache
+        h = self.embed(ids)  # [batch, q, hidden]
+        cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
+        mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
+        for i, w in enumerate(self.weights):
+            h = layer_fn(h, w, cos, sin, mask, cache.k[i], cache.v[i], slot_t, write_pos,
+                         first_slot, self.shape)
+        return self.norm(h)

@@ -109,11 +109,15 @@ class EngineWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.healthy = True
+        # set once the engine's compiled forwards are warmed up (at once when it has none)
+        self.warmed = threading.Event()
         # called in the engine thread after every step with (outputs, self.stats()): metrics
         self.observers: list = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        if not getattr(self.engine, "needs_warm_up", lambda: False)():
+            self.warmed.set()
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
         self._thread.start()
 
@@ -164,6 +168,8 @@ class EngineWorker:
         """Raise unless ``count`` more requests can be taken now (call before answering 200)."""
         if not (self._accepting and self.running):
             raise NotAcceptingError("the engine is not accepting requests")
+        if not self.warmed.is_set():
+            raise NotAcceptingError("the engine is warming up (compiling); retry shortly")
         if self.max_queued is not None and \
                 len(self._channels) + count > self.engine.target.cache.num_slots + self.max_queued:
             raise QueueFullError("the server is at capacity (request queue full); retry later")
@@ -203,6 +209,12 @@ class EngineWorker:
                 self.engine.abort(cmd[1])
 
     def _run(self) -> None:
+        if not self.warmed.is_set():
+            try:
+                self.engine.warm_up()  # compile failures fall back to eager inside
+            except Exception:
+                log.exception("warm-up failed")
+            self.warmed.set()
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_work():

@@ -206,7 +206,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, limits: Limits,
 
     @app.get("/ready", responses={503: ERROR_RESPONSES[503]})
     async def ready():
-        if not (worker.running and worker.healthy):
+        if not (worker.running and worker.healthy and worker.warmed.is_set()):
             return error_response(503, "engine not ready", "server_error", None, "not_ready")
         return {"status": "ready", **worker.stats()}
 

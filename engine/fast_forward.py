@@ -1,0 +1,209 @@
+"""The fast forward path: fixed-shape, compiled decode / verify / draft-step forwards.
+
+An eager forward of a small model is mostly per-operator overhead (SmolLM2-135M on 2 CPU cores:
+~50 ms per decode step, of which the arithmetic is a fraction). Like gpt-fast, we remove it with
+``torch.compile`` over a small, known set of shapes:
+
+- **Rows are slots.** A forward over rows in slots ``S`` runs the slot range ``[0, bucket)`` with
+  ``bucket`` the smallest batch bucket > max(S) (the cache hands out low slots first, so the range
+  stays tight); slots not in the step are padding rows: their tokens write only to the scratch
+  column and their outputs are dropped. Keys and values are then read as a *view* of the cache,
+  never gathered.
+- **Query length** ``q`` (1 for a decode step, K+1 for a verify) is padded to a q bucket.
+- **Key length** (the longest row's length) is padded to a multiple of ``kv_align`` and is
+  *dynamic* in the compiled graph on CPU (one graph serves every length), or the whole cache
+  (``max_len + 1``, static) under CUDA graphs, which record one graph per shape.
+- With ``dynamic`` (the CPU default) batch and q are dynamic dimensions too, so the buckets bound
+  the shapes while few graphs are compiled (torch specializes sizes of 1: a batch-1 and a q-1
+  graph exist apart). With ``dynamic: false`` every (batch, q) bucket is its own graph.
+
+Every (batch, q) bucket is run once at start-up (:meth:`FastForward.warm_up`), before the server
+reports ready, so no request ever waits for a compile; compile time is logged. A failed compile
+or warm-up logs a warning and the runner stays eager. Prefill chunks (long, ragged) stay eager.
+
+The compiled function is the runner's own eager code (:meth:`ModelRunner.layers_forward`), so the
+two paths compute the same thing; the lossless tests run with compilation on (fp32).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("specd.fast_forward")
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    # torch.compile mode: "default" | "max-autotune-no-cudagraphs" | "reduce-overhead" (CUDA graphs)
+    mode: str = "default"
+    backend: str = "inductor"
+    dynamic: bool | None = None  # batch / q / key length dynamic; None: True except CUDA graphs
+    batch_buckets: list[int] | None = None  # default: 1, 2, 4, 8, ... up to max_running
+    q_buckets: list[int] | None = None  # default: 1, 2, 4, ... and k_max + 1
+    kv_align: int = 64  # key length padded to a multiple of this
+    warmup: bool = True  # run every bucket at start-up (compiles them before /ready)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "CompileConfig":
+        return cls(**(d or {}))
+
+
+def default_buckets(limit: int, top: int | None = None) -> list[int]:
+    """1, 2, 4, ... below ``limit``, then ``limit`` itself (``top``: an extra largest bucket)."""
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return sorted(set(out + ([top] if top else [])))
+
+
+def _bucket(buckets: list[int], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+@dataclass
+class WarmupReport:
+    seconds: float = 0.0
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+
+
+class FastForward:
+    """Compiled fixed-shape forward of one :class:`~engine.model_runner.ModelRunner`."""
+
+    def __init__(self, runner, cfg: CompileConfig, k_max: int):
+        self.runner, self.cfg = runner, cfg
+        cache = runner.cache
+        self.cuda_graphs = cfg.mode == "reduce-overhead"
+        self.dynamic = (not self.cuda_graphs) if cfg.dynamic is None else cfg.dynamic
+        self.batch_buckets = sorted(cfg.batch_buckets or default_buckets(cache.num_slots))
+        self.q_buckets = sorted(cfg.q_buckets or default_buckets(2, k_max + 1))
+        if self.batch_buckets[-1] > cache.num_slots:
+            raise ValueError(f"batch bucket {self.batch_buckets[-1]} exceeds the cache's "
+                             f"{cache.num_slots} slots")
+        self.full_kv = self.cuda_graphs  # static key length: the whole cache
+        import torch._dynamo as dynamo
+        # one graph per bucket (and per 1-sized dim when dynamic), with no silent generalization
+        dynamo.config.automatic_dynamic_shapes = False
+        limit = 4 * len(self.batch_buckets) * len(self.q_buckets) + 8
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, limit)
+        if hasattr(dynamo.config, "recompile_limit"):
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, limit)
+        if self.cuda_graphs:
+            dynamo.mark_static_address(cache.k)
+            dynamo.mark_static_address(cache.v)
+        mode = None if cfg.mode == "default" else cfg.mode
+        from .model_runner import decoder_layer
+        self._compiled = torch.compile(decoder_layer, backend=cfg.backend, mode=mode,
+                                       fullgraph=True)
+        self.calls = 0
+
+    def handles(self, slots: list[int], q: int) -> bool:
+        return (_bucket(self.batch_buckets, max(slots) + 1) is not None
+                and _bucket(self.q_buckets, q) is not None)
+
+    # -- one forward ----------------------------------------------------------------------------
+    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
+            counts: list[int]) -> torch.Tensor:
+        """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens;
+        returns their final-normed hidden states ``[batch, q, hidden]``."""
+        runner, dev = self.runner, self.runner.device
+        B, q = ids.shape
+        nb = _bucket(self.batch_buckets, max(slots) + 1)
+        qb = _bucket(self.q_buckets, q)
+        row_start, row_count = [0] * nb, [0] * nb  # padding rows: zero tokens at position 0
+        for s, st, n in zip(slots, starts, counts):
+            row_start[s], row_count[s] = st, n
+        pos, write_pos = runner.positions(row_start, row_count, qb)  # [nb, qb]
+        slot_t = torch.tensor(slots, device=dev)  # [batch]
+        ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
+        ids_b[slot_t, :q] = ids
+        kv_len = max(st + n for st, n in zip(starts, counts))
+        h = self._call(ids_b, pos.to(dev), write_pos.to(dev), self._kv_len(kv_len))
+        return h[slot_t, :q]  # [batch, q, hidden]
+
+    def _kv_len(self, kv_len: int) -> int:
+        cache = self.runner.cache
+        if self.full_kv:
+            return cache.max_len + 1
+        a = self.cfg.kv_align
+        return min(max(a, -(-kv_len // a) * a), cache.max_len + 1)
+
+    def _call(self, ids, pos, write_pos, kv_len: int) -> torch.Tensor:
+        dev = self.runner.device
+        nb, qb = ids.shape
+        rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
+        kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
+        self.calls += 1
+        return self.runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, self._layer)
+
+    def _layer(self, h, w, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot, shape):
+        """The compiled decoder layer, its dynamic dimensions marked (torch specializes sizes 0
+        and 1, so only larger ones are marked)."""
+        import torch._dynamo as dynamo
+        marks = [] if self.full_kv else [(mask, 3)]
+        if self.dynamic:
+            marks += [(h, 0), (h, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2), (mask, 0),
+                      (mask, 2), (slot_t, 0), (write_pos, 0), (write_pos, 1)]
+        for t, d in marks:
+            if t.shape[d] > 1:
+                dynamo.mark_dynamic(t, d)
+        return self._compiled(h, w, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot, shape)
+
+    # -- start-up -------------------------------------------------------------------------------
+    def warm_up(self) -> WarmupReport:
+        """Run every (batch, q) bucket once on scratch positions (compiles them). Nothing
+        committed is touched: every token is written to the scratch column."""
+        runner, dev = self.runner, self.runner.device
+        rep = WarmupReport()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for nb in self.batch_buckets:
+                for qb in self.q_buckets:
+                    t = time.perf_counter()
+                    ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
+                    pos, write_pos = runner.positions([0] * nb, [0] * nb, qb)
+                    for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
+                        self._call(ids, pos.to(dev), write_pos.to(dev), kv)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    rep.shapes.append((nb, qb))
+                    log.info("compiled %s forward batch=%d q=%d in %.1f s", runner.name, nb, qb,
+                             time.perf_counter() - t)
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
+
+def attach(runner, cfg: CompileConfig, k_max: int) -> None:
+    """Give ``runner`` a compiled path (compiled lazily: call :func:`warm_up` before serving)."""
+    if cfg.enabled:
+        runner.fast = FastForward(runner, cfg, k_max)
+
+
+def warm_up(runner) -> WarmupReport | None:
+    """Compile and run every bucket of ``runner``'s fast path; on any failure warn and stay eager."""
+    fast = getattr(runner, "fast", None)
+    if fast is None or not fast.cfg.warmup:
+        return None
+    try:
+        rep = fast.warm_up()
+    except Exception as e:  # noqa: BLE001 -- a compile failure must never kill the server
+        disable(runner, e)
+        return None
+    log.warning("compiled the %s forward: %d shapes in %.1f s", runner.name, len(rep.shapes),
+                rep.seconds)
+    return rep
+
+
+def disable(runner, err: Exception) -> None:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    log.warning("compiled %s forward failed (%s: %s); running eagerly from now on",
+                runner.name, type(err).__name__, msg[:300])
+    runner.fast = None

@@ -1,0 +1,142 @@
+"""The fast forward path (engine/fast_forward.py): bucketing, padding rows that never touch a
+committed position, exact output through the compiled path (dynamo-only "eager" backend for the
+shape logic, inductor for the real thing), warm-up before ready, and the eager fallback."""
+import logging
+
+import pytest
+import torch
+
+from engine.fast_forward import CompileConfig, FastForward, _bucket, attach, default_buckets
+from engine.sampling import SamplingParams
+from engine.worker import EngineWorker, NotAcceptingError
+from tests.engine.conftest import engine_for
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def prompts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 64, (int(L),), generator=g).tolist() for L in (3, 17, 40, 9, 60)[:n]]
+
+
+def compiled_engine(models, drafter="model", **cfg):
+    e = engine_for(models, drafter)
+    cc = CompileConfig(enabled=True, **cfg)
+    attach(e.target, cc, e.k_max)
+    if getattr(e.drafter, "runner", None) is not None:
+        attach(e.drafter.runner, cc, e.k_max)
+    return e
+
+
+def test_buckets():
+    assert default_buckets(16) == [1, 2, 4, 8, 16]
+    assert default_buckets(6) == [1, 2, 4, 6]
+    assert default_buckets(2, 9) == [1, 2, 9]
+    assert _bucket([1, 2, 4, 9], 3) == 4 and _bucket([1, 2, 4, 9], 9) == 9
+    assert _bucket([1, 2, 4, 9], 10) is None
+
+
+def test_handles_only_shapes_inside_the_buckets(models):
+    e = engine_for(models, None)
+    f = FastForward(e.target, CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4],
+                                            q_buckets=[1, 3]), k_max=2)
+    assert f.handles([0, 3], 3) and f.handles([1], 1)
+    assert not f.handles([4], 1)  # slot 4 is past the largest batch bucket (rows are slots)
+    assert not f.handles([0], 4)  # q past the largest q bucket: eager
+    with pytest.raises(ValueError):
+        FastForward(e.target, CompileConfig(batch_buckets=[16]), k_max=2)  # 8 slots only
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", None])
+def test_fast_path_output_equals_eager(models, drafter):
+    """Dynamo traces the layer (backend "eager": no inductor, fast); every bucket and a batch
+    whose slots are not contiguous go through it; greedy output equals the eager engine's."""
+    ps = prompts()
+    ref = [s.output_ids for s in engine_for(models, drafter).generate(ps, GREEDY)]
+    e = compiled_engine(models, drafter, backend="eager", batch_buckets=[1, 2, 4, 8],
+                        q_buckets=[1, 2, 4, 9])
+    e.warm_up()
+    out = [s.output_ids for s in e.generate(ps, GREEDY)]
+    assert out == ref
+    assert e.target.fast is not None and e.target.fast.calls > len(ps)
+
+
+def test_padding_rows_never_touch_committed_positions(models):
+    e = compiled_engine(models, None, backend="eager", batch_buckets=[8], q_buckets=[4])
+    r, cache = e.target, e.target.cache
+    for s, n in ((0, 10), (3, 7), (6, 12)):  # committed prefixes in slots 0, 3, 6
+        cache.allocate(s)
+        r.forward([list(range(1, n + 1))], [s])  # prefill (eager: longer than the q bucket)
+        cache.commit(s, n)
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    r.forward(torch.tensor([[5, 6, 7]]), [3], counts=[2])  # one row, 2 valid tokens of 3
+    assert r.fast.calls == 1
+    changed = (cache.k != before_k).any(-1)  # [layers, slots, kv_heads, positions]
+    changed |= (cache.v != before_v).any(-1)
+    where = changed.nonzero()[:, [1, 3]].unique(dim=0).tolist()  # (slot, position) pairs
+    scratch = cache.scratch_pos
+    assert [3, 7] in where and [3, 8] in where  # the row's own two new positions
+    for slot, p in where:
+        assert p == scratch or (slot == 3 and p in (7, 8)), (slot, p)
+    for s, n in ((0, 10), (6, 12)):  # other rows' committed positions are untouched
+        assert torch.equal(cache.k[:, s, :, :n], before_k[:, s, :, :n])
+
+
+def test_inductor_compiled_engine_is_exact(models):
+    """The real compile (inductor, fp32): speculative greedy through the compiled path equals
+    target-only greedy through the eager path, at batch 1 and 5, with a draft model."""
+    ps = prompts()
+    plain = engine_for(models, None)
+    ref = [s.output_ids for s in plain.generate(ps, GREEDY)]
+    e = compiled_engine(models, "model", batch_buckets=[1, 8], q_buckets=[1, 9])
+    e.warm_up()
+    assert e.target.fast is not None, "inductor compile fell back to eager"
+    assert [e.generate([p], GREEDY)[0].output_ids for p in ps[:2]] == ref[:2]
+    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    assert e.target.fast.calls > 0 and e.drafter.runner.fast.calls > 0
+
+
+def test_compile_failure_falls_back_to_eager(models, caplog):
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+    ps = prompts(3)
+    ref = [s.output_ids for s in engine_for(models, "ngram").generate(ps, GREEDY)]
+    e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
+    with caplog.at_level(logging.WARNING, logger="specd.fast_forward"):
+        e.warm_up()
+    assert e.target.fast is None
+    assert "running eagerly" in caplog.text
+    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    # the same at serving time, without a warm-up: the first fast call fails, eager takes over
+    e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
+    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    assert e.target.fast is None
+
+
+def test_worker_is_not_ready_until_warmed_up(models):
+    e = compiled_engine(models, None, backend="eager", batch_buckets=[8], q_buckets=[1])
+    calls = []
+    real = e.warm_up
+
+    def slow_warm_up():
+        with pytest.raises(NotAcceptingError):
+            w.check_admission(1)  # still warming: refused (HTTP 503)
+        calls.append(1)
+        real()
+    e.warm_up = slow_warm_up
+    w = EngineWorker(e)
+    assert not w.warmed.is_set()
+    w.start()
+    try:
+        assert w.warmed.wait(60)
+        assert calls == [1]
+        w.check_admission(1)
+    finally:
+        w.shutdown()
+    # an engine without a fast path is ready at once
+    w2 = EngineWorker(engine_for(models, None))
+    w2.start()
+    try:
+        assert w2.warmed.is_set()
+    finally:
+        w2.shutdown()
