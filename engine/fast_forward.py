@@ -46,6 +46,10 @@ class CompileConfig:
     q_buckets: list[int] | None = None  # default: 1, 2, 4, ... and k_max + 1
     kv_align: int = 64  # key length padded to a multiple of this
     warmup: bool = True  # run every bucket at start-up (compiles them before /ready)
+    # threads of inductor's generated CPU kernels; 1: no OpenMP region of their own (the small
+    # fused kernels of a decode step gain nothing from threads, and a second OpenMP pool
+    # spinning beside torch's own slows every matmul on a few cores); None: inductor's default
+    cpp_threads: int | None = 1
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "CompileConfig":
@@ -90,6 +94,9 @@ class FastForward:
                              f"{cache.num_slots} slots")
         self.full_kv = self.cuda_graphs  # static key length: the whole cache
         import torch._dynamo as dynamo
+        import torch._inductor.config as inductor_config
+        if cfg.cpp_threads is not None:
+            inductor_config.cpp.threads = cfg.cpp_threads
         # one graph per bucket (and per 1-sized dim when dynamic), with no silent generalization
         dynamo.config.automatic_dynamic_shapes = False
         limit = 4 * len(self.batch_buckets) * len(self.q_buckets) + 8

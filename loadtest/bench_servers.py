@@ -108,9 +108,11 @@ def server_command(name: str, port: int, args) -> tuple[list[str], str, dict]:
                  "--host", "127.0.0.1", "--port", str(port)], "/v1/models", {})
     if name == "hf":
         folder = prepare(cfg.model.spec, cfg.cache_dir, progress=False)
+        cache = Path(args.out) / "hf_hub_cache"  # it lists this (empty) Hub cache on /v1/models
+        cache.mkdir(parents=True, exist_ok=True)
         return ([str(Path(sys.executable).parent / "transformers"), "serve", folder,
                  "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"],
-                "/v1/models", {})
+                "/health", {"HF_HUB_CACHE": str(cache.resolve())})
     raise ValueError(f"unknown server {name!r} (specd, llamacpp, hf)")
 
 
@@ -150,7 +152,10 @@ def started(name: str, args):
         log.close()
 
 
-def model_id(base: str) -> str:
+def model_id(base: str, name: str, args) -> str:
+    if name == "hf":  # the model it was started with (its list shows the Hub cache only)
+        cfg = EngineConfig.from_yaml(args.config)
+        return prepare(cfg.model.spec, cfg.cache_dir, progress=False)
     return httpx.get(base + "/models", timeout=30).json()["data"][0]["id"]
 
 
@@ -160,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--servers", default="specd,llamacpp,hf")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, help="requests per level (default: the 24 items)")
     ap.add_argument("--config", default="configs/cpu-compiled.yaml", help="specd's config")
     ap.add_argument("--llamacpp-venv", default=str(LLAMACPP_VENV))
     ap.add_argument("--start-timeout", type=float, default=1200)
@@ -172,11 +178,12 @@ def main(argv=None):
     rows = []
     for name in args.servers.split(","):
         with started(name, args) as (base, sampler, ready_s):
-            model = model_id(base)
+            model = model_id(base, name, args)
             largs = cli.parse_args(["--base-url", base, "--model", model,
                                     "--workload", f"jsonl:{data}", "--max-tokens",
                                     str(args.max_tokens), "--concurrency", args.concurrency,
-                                    "--no-progress", "--no-plots"])
+                                    "--no-progress", "--no-plots"]
+                                   + (["--requests", str(args.requests)] if args.requests else []))
             res = cli.run(largs)
             peak = sampler.peak
         for r in res["runs"]:

@@ -78,6 +78,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="eager/compiled alternations")
     ap.add_argument("--mode", default="default", help="torch.compile mode")
+    ap.add_argument("--native-q4", action="store_true",
+                    help="GGUF Q4_1 layers kept 4-bit (model.native_q4) in every runner")
     ap.add_argument("--json", default="loadtest/results/bench_steps.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,6 +101,14 @@ def main(argv=None):
         runners[f"draft ({args.draft_layers} layers)"] = ModelRunner(
             target, slots, max_len, args.draft_layers, name="draft")
 
+    if args.native_q4:
+        from engine.loader import resolve_spec
+        from engine.quant import convert_q4_1
+        main_runner = runners["target"]
+        convert_q4_1(resolve_spec(cfg.model.spec).location, main_runner, main_runner.dtype)
+        for r in runners.values():
+            if r is not main_runner and r.model is main_runner.model:
+                r.weights = main_runner.weights[:len(r.weights)]
     ccfg = CompileConfig(enabled=True, mode=args.mode, batch_buckets=batches,
                          q_buckets=sorted({1, args.k + 1}))
     rows = []
@@ -129,6 +139,8 @@ def main(argv=None):
                       flush=True)
 
     desc = (args.random_config or cfg.model.name) + f", {args.dtype}, {device}"
+    if args.native_q4:
+        desc += ", Q4_1 layers 4-bit"
     if device == "cpu":
         desc += f", {torch.get_num_threads()} threads"
     print(f"\nPer-step latency ({desc}; {args.context} tokens in cache; median of "
