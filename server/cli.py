@@ -30,6 +30,8 @@ def _config(args):
 
 def cmd_serve(args) -> int:
     import logging
+    import signal
+    import threading
 
     import uvicorn
 
@@ -51,17 +53,31 @@ def cmd_serve(args) -> int:
     built = build_engine(cfg)
     engine = built.engine
     worker = EngineWorker(engine, max_queued=cfg.max_queued)
-    worker.start()
     limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method,
                     cfg.drafter.k_max)
     app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)
     print(f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
           f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1", flush=True)
+    # HTTP in a thread, the engine loop in the main thread: torch's CPU thread team stays hot only
+    # for the main thread (every forward ran 2x slower from a second thread on 2 cores).
+    server = uvicorn.Server(uvicorn_config(app, settings.host, settings.port, settings,
+                                           log_level=settings.log_level))
+    http = threading.Thread(target=server.run, name="specd-http", daemon=True)
+
+    def stop(*_):
+        worker.request_shutdown()
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    http.start()
+    watcher = threading.Thread(target=lambda: (http.join(), stop()), daemon=True)
+    watcher.start()  # the HTTP server ending (e.g. port in use) stops the engine too
     try:
-        uvicorn.Server(uvicorn_config(app, settings.host, settings.port, settings,
-                                      log_level=settings.log_level)).run()
+        worker.run_here()
     finally:
-        worker.shutdown()
+        server.should_exit = True
+        http.join(15)
     return 0
 
 

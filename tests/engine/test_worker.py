@@ -179,3 +179,32 @@ def test_graceful_shutdown_finishes_running_then_refuses(models):
     assert len(out) == 30 and not w.running
     with pytest.raises(NotAcceptingError):
         w.check_admission(1)
+
+
+def test_run_here_serves_then_drains_on_request_shutdown(models):
+    """The server's layout: the engine loop runs in the calling thread (``run_here``, the main
+    thread in ``specd serve``), requests come from another thread's event loop, and
+    ``request_shutdown`` (a signal handler) lets the running request finish, then the loop
+    returns and new requests are refused."""
+    import threading
+    w = EngineWorker(engine_for(models))
+    ref = alone(models)[0]
+    result = {}
+
+    def client():
+        async def main():
+            while not w.running:
+                await asyncio.sleep(0.01)
+            prompt, params, k = REQUESTS[0]
+            t = asyncio.create_task(collect(w, "a", prompt, params, k))
+            await asyncio.sleep(0.02)
+            w.request_shutdown(30)
+            result["out"] = await t
+        asyncio.run(main())
+    th = threading.Thread(target=client)
+    th.start()
+    w.run_here()  # returns once drained
+    th.join(10)
+    assert result["out"] == ref
+    with pytest.raises(NotAcceptingError):
+        w.check_admission(1)

@@ -16,6 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
+# imported at collection, while the process has one thread: imported lazily inside the schema
+# fixture, pytest's assertion rewriting parsed schemathesis' modules while the live server's
+# threads could compile code too, and CPython 3.11's AST state is not thread-safe (one suite run
+# failed with "AST constructor recursion depth mismatch").
+import schemathesis.specs.openapi.schemas  # noqa: F401
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from transformers import LlamaConfig, LlamaForCausalLM
 
