@@ -37,6 +37,7 @@ import httpx
 from engine.config import EngineConfig
 from engine.loader import prepare, resolve_spec
 from loadtest import cli, workloads
+from loadtest.server_proc import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_VENV = ROOT / "loadtest" / "envs" / "llamacpp"
@@ -143,11 +144,7 @@ def started(name: str, args):
         print(f"{name}: ready in {ready_s:.0f} s", flush=True)
         yield base + "/v1", sampler, ready_s
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         sampler.stop()
         log.close()
 

@@ -46,12 +46,17 @@ def specd_server(config: Path, max_running: int, dtype: str | None = None):
             time.sleep(0.5)
         yield f"{base}/v1", proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         os.unlink(f.name)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 30) -> None:
+    """SIGTERM (a graceful drain for specd), then SIGKILL after ``grace`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def peak_rss_mib(pid: int) -> float:
