@@ -1,7 +1,6 @@
 """Build a :class:`SpecEngine` (target runner + drafter) from an :class:`EngineConfig`."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +13,7 @@ from .fast_forward import attach
 from .k_control import AdaptiveK, FixedK, HeuristicK, KController
 from .loader import load_model
 from .model_runner import ModelRunner
-
-log = logging.getLogger("specd.builder")
+from .quant import use_native_q4
 
 
 @dataclass
@@ -46,20 +44,6 @@ def make_controller(d, drafter) -> KController:
     if d.controller == "fixed":
         return FixedK(min(d.k, d.k_max))
     raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
-
-
-def _native_q4(spec: str, runner: ModelRunner, drafter) -> None:
-    from .loader import resolve_spec
-    from .quant import convert_q4_1
-    r = resolve_spec(spec)
-    if r.kind != "gguf":
-        log.warning("model.native_q4 needs a GGUF model spec; keeping dense weights")
-        return
-    n = convert_q4_1(r.location, runner, runner.dtype)
-    log.info("native_q4: %d Q4_1 matrices kept 4-bit", n)
-    draft = getattr(drafter, "runner", None)
-    if n and draft is not None and draft.model is runner.model:  # self / layers drafter
-        draft.weights = runner.weights[:len(draft.weights)]
 
 
 def build_engine(cfg: EngineConfig, target=None) -> Built:
@@ -94,11 +78,10 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     else:
         raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
-    if m.native_q4:
-        _native_q4(m.spec, runner, drafter)
-    attach(runner, cfg.compile, d.k_max)
-    if getattr(drafter, "runner", None) is not None:
-        attach(drafter.runner, cfg.compile, d.k_max)
     engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step,
                         cfg.prefill_chunk_tokens, make_controller(d, drafter), d.k_max)
+    if m.native_q4:
+        use_native_q4(m.spec, *engine.runners())
+    for r in engine.runners():
+        attach(r, cfg.compile, d.k_max)
     return Built(engine, tok, cfg)

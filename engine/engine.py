@@ -97,17 +97,20 @@ class SpecEngine:
         self.vocab_size = target.vocab_size
         self.drafter_failures = 0  # drafter exceptions / bad proposals (each fell back to K = 0)
 
+    def runners(self) -> list[ModelRunner]:
+        """The target's runner, then the draft model's when the drafter has one."""
+        draft = getattr(self.drafter, "runner", None)
+        return [self.target] + ([draft] if draft is not None else [])
+
     def needs_warm_up(self) -> bool:
-        return any(getattr(r, "fast", None) is not None
-                   for r in (self.target, getattr(self.drafter, "runner", None)))
+        return any(r.fast is not None for r in self.runners())
 
     def warm_up(self) -> None:
         """Compile and run every shape of the fast forward path (engine/fast_forward.py) of the
         target and the draft model, if they have one. The worker calls it before it is ready."""
         from .fast_forward import warm_up
-        for runner in (self.target, getattr(self.drafter, "runner", None)):
-            if runner is not None:
-                warm_up(runner)
+        for runner in self.runners():
+            warm_up(runner)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -1,7 +1,8 @@
 """Runs a Llama-family causal LM over the slot KV cache.
 
 We keep transformers for loading (GGUF conversion, safetensors, dtypes, Hub ids) and reuse its
-modules (projections, norms, MLP, rotary embedding, lm_head), but run our own decoder-layer loop
+embedding, rotary embedding, final norm and lm_head, but run our own decoder layer (a function of
+the layer's weights, :func:`decoder_layer`, so one compiled graph serves every layer)
 so that one forward can serve ragged rows: row b feeds ``n_b`` new tokens starting at position
 ``start_b`` (its committed cache length), writes their K/V into its slot in place, and attends by
 position, ``kv_pos <= query_pos``. The same loop with only the first N layers is the
@@ -116,7 +117,6 @@ class ModelRunner:
             if not 1 <= num_layers <= len(layers):
                 raise ValueError(f"num_layers must be in 1..{len(layers)}, got {num_layers}")
             layers = layers[:num_layers]
-        self.layers = layers
         self.lm_head = model.lm_head
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads

@@ -82,9 +82,27 @@ def _same(deq: torch.Tensor, dense: torch.Tensor) -> bool:
     return err <= 1e-6 * max(1.0, dense.float().abs().amax().item())
 
 
-def convert_q4_1(gguf_path: str | Path, runner, dtype: torch.dtype) -> int:
-    """Replace ``runner``'s dense Q4_1 projections by :class:`Q4Weight` (CPU only). Returns the
-    number of matrices converted (0 when the file has none, or on any mismatch)."""
+def use_native_q4(spec: str, runner, *sharing) -> int:
+    """``model.native_q4``: keep the Q4_1 layers of the GGUF ``spec`` 4-bit in ``runner``, and
+    in each runner of ``sharing`` that runs the same model (the self / first-N-layers drafter).
+    Returns the number of matrices converted."""
+    from .loader import resolve_spec
+    r = resolve_spec(spec)
+    if r.kind != "gguf":
+        log.warning("model.native_q4 needs a GGUF model spec; keeping dense weights")
+        return 0
+    n = convert_q4_1(r.location, runner)
+    log.info("native_q4: %d Q4_1 matrices kept 4-bit", n)
+    for other in sharing:
+        if n and other is not None and other.model is runner.model:
+            other.weights = runner.weights[:len(other.weights)]
+    return n
+
+
+def convert_q4_1(gguf_path: str | Path, runner) -> int:
+    """Replace ``runner``'s dense Q4_1 projections by :class:`Q4Weight` (CPU only; scales in the
+    runner's dtype). Returns the number of matrices converted (0 when the file has none, or on
+    any mismatch)."""
     import gguf
 
     if runner.device.type != "cpu":
@@ -115,7 +133,7 @@ def convert_q4_1(gguf_path: str | Path, runner, dtype: torch.dtype) -> int:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             torch.from_numpy(q.astype(np.int32)), 1)
         dt, mt = torch.from_numpy(d), torch.from_numpy(m)
-        scale_zero = torch.stack([dt, mt + 8 * dt], -1).transpose(0, 1).contiguous().to(dtype)  # [in/32, out, 2]
+        scale_zero = torch.stack([dt, mt + 8 * dt], -1).transpose(0, 1).contiguous().to(runner.dtype)  # [in/32, out, 2]
         new[i][slot] = Q4Weight(packed, scale_zero, (rows, cols))
         count += 1
     runner.weights = [tuple(w) for w in new]

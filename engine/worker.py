@@ -23,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import replace
 from typing import AsyncIterator
@@ -116,9 +117,12 @@ class EngineWorker:
         self.observers: list = []
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
+    def _mark_warm_if_nothing_to_compile(self) -> None:
         if not getattr(self.engine, "needs_warm_up", lambda: False)():
             self.warmed.set()
+
+    def start(self) -> None:
+        self._mark_warm_if_nothing_to_compile()
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
         self._thread.start()
 
@@ -126,15 +130,13 @@ class EngineWorker:
         """Run the engine loop in the calling thread until :meth:`request_shutdown` (the server
         calls it from the main thread: on CPU, torch's OpenMP thread team stays hot only for the
         process's main thread; every forward ran 2x slower on 2 cores from a second thread)."""
-        if not getattr(self.engine, "needs_warm_up", lambda: False)():
-            self.warmed.set()
+        self._mark_warm_if_nothing_to_compile()
         self._thread = threading.current_thread()
         self._run()
 
     def request_shutdown(self, timeout: float = 10.0) -> None:
         """Graceful stop of a :meth:`run_here` loop, safe in a signal handler: stop admitting, let
         running requests finish for up to ``timeout`` seconds, then fail what is left."""
-        import time
         self._accepting = False
         self._drain_deadline = time.monotonic() + timeout
         self._wake.set()
@@ -146,7 +148,6 @@ class EngineWorker:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Graceful: stop admitting, let running requests finish for up to ``timeout`` seconds,
         then fail what is left with an error and stop the thread."""
-        import time
         self._accepting = False
         deadline = time.monotonic() + timeout
         while self.running and self._channels and time.monotonic() < deadline:
@@ -233,7 +234,6 @@ class EngineWorker:
             except Exception:
                 log.exception("warm-up failed")
             self.warmed.set()
-        import time
         while not self._stop.is_set():
             if self._drain_deadline is not None and (
                     not self._channels or time.monotonic() > self._drain_deadline):

@@ -102,13 +102,8 @@ def main(argv=None):
             target, slots, max_len, args.draft_layers, name="draft")
 
     if args.native_q4:
-        from engine.loader import resolve_spec
-        from engine.quant import convert_q4_1
-        main_runner = runners["target"]
-        convert_q4_1(resolve_spec(cfg.model.spec).location, main_runner, main_runner.dtype)
-        for r in runners.values():
-            if r is not main_runner and r.model is main_runner.model:
-                r.weights = main_runner.weights[:len(r.weights)]
+        from engine.quant import use_native_q4
+        use_native_q4(cfg.model.spec, *runners.values())
     ccfg = CompileConfig(enabled=True, mode=args.mode, batch_buckets=batches,
                          q_buckets=sorted({1, args.k + 1}))
     rows = []

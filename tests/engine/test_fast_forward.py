@@ -21,10 +21,8 @@ def prompts(n=5, seed=0):
 
 def compiled_engine(models, drafter="model", **cfg):
     e = engine_for(models, drafter)
-    cc = CompileConfig(enabled=True, **cfg)
-    attach(e.target, cc, e.k_max)
-    if getattr(e.drafter, "runner", None) is not None:
-        attach(e.drafter.runner, cc, e.k_max)
+    for r in e.runners():
+        attach(r, CompileConfig(enabled=True, **cfg), e.k_max)
     return e
 
 

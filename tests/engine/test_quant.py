@@ -31,7 +31,7 @@ def test_converted_weights_are_the_files(real_fp32):
     model, tok = real_fp32
     dense = ModelRunner(model, 1, 256)
     q4 = ModelRunner(model, 1, 256)
-    assert convert_q4_1(resolve_spec(REAL_SPEC).location, q4, torch.float32) == 210  # 30 x 7
+    assert convert_q4_1(resolve_spec(REAL_SPEC).location, q4) == 210  # 30 x 7
     assert all(isinstance(w[1], Q4Weight) for w in q4.weights)
     ids = tok("def fibonacci(n):\n    ", return_tensors=None)["input_ids"]
     a = dense.forward([ids], [0], logits="all")
