@@ -87,6 +87,8 @@ class SpecEngine:
         if controller is None:
             controller = AdaptiveK(k_max, drafter.steps) if drafter is not None else FixedK(0)
         self.controller = controller
+        if getattr(controller, "cost", None) is not None:  # AdaptiveK prices padded verify shapes
+            controller.cost.shape = target.padded_shape
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_prefill_per_step = max_prefill_per_step  # sequences prefilling at once
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)  # prompt tokens per step
@@ -96,6 +98,9 @@ class SpecEngine:
         self.device = target.device
         self.vocab_size = target.vocab_size
         self.drafter_failures = 0  # drafter exceptions / bad proposals (each fell back to K = 0)
+        # the round's acceptance rule; only loadtest/bench_synthetic.py swaps it (a synthetic
+        # acceptance rate, not lossless), and the worker refuses to serve an engine where it did
+        self.accept = rejection_sample
 
     def runners(self) -> list[ModelRunner]:
         """The target's runner, then the draft model's when the drafter has one."""
@@ -250,8 +255,8 @@ class SpecEngine:
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept
         num_t = torch.tensor(num_draft, device=self.device)
-        num_acc, next_tok = rejection_sample(probs, drafts, num_t, draft_probs, plan.greedy,
-                                             plan.uniforms[:, :kmax], plan.noise)
+        num_acc, next_tok = self.accept(probs, drafts, num_t, draft_probs, plan.greedy,
+                                        plan.uniforms[:, :kmax], plan.noise)
         # the one device->host sync of the round
         host = torch.cat([num_acc[:, None], next_tok[:, None], drafts], dim=1).tolist()
         lps = self._logprobs(seqs, probs, drafts, num_acc, next_tok)

@@ -119,6 +119,10 @@ class FastForward:
         return (_bucket(self.batch_buckets, max(slots) + 1) is not None
                 and _bucket(self.q_buckets, q) is not None)
 
+    def bucket_shape(self, rows: int, q: int) -> tuple[int, int]:
+        """(batch bucket, q bucket) of a forward over slots ``[0, rows)`` of ``q`` tokens."""
+        return _bucket(self.batch_buckets, rows), _bucket(self.q_buckets, q)
+
     # -- one forward ----------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
             counts: list[int]) -> torch.Tensor:

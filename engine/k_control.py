@@ -14,7 +14,9 @@ One round of a batch of B rows whose widest draft is w tokens costs
     T(B, w) = a + b·B + c·B·w  +  s(w)·(d + e·B)
 - the verify forward pads every row to w + 1 query tokens, so the target's cost (with the
   round's sampling and bookkeeping, a + b·B + c·B·w) is set by the batch's widest draft, not by
-  each row's own K;
+  each row's own K; on the fast path (fast_forward.py) B and w + 1 are further padded to its
+  batch and q buckets, and T takes the padded values (ModelRunner.padded_shape): widths that pad
+  to one verify shape cost the target the same;
 - the drafter runs s(w) sequential steps (w for a draft model, one lookup for n-gram, 0 at w = 0)
   of d + e·B each.
 A round in which no row found a draft feeds one token per row whatever K was asked, so with
@@ -73,7 +75,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -157,17 +159,26 @@ class EWLeastSquares:
         return float(np.dot(self.theta, x))
 
 
-class RoundCost:
-    """The measured cost model T(B, w) of one round (see the module docstring)."""
+def _unpadded(batch: int, q: int) -> tuple[int, int]:
+    return batch, q
 
-    def __init__(self, decay: float = 0.98):
+
+class RoundCost:
+    """The measured cost model T(B, w) of one round (see the module docstring).
+
+    ``shape(batch, q) -> (rows, q)``: the shape a target forward really runs (the fast path pads
+    to buckets, ModelRunner.padded_shape); B and w enter the features padded, so every draft
+    width that pads to the same verify shape is priced alike."""
+
+    def __init__(self, decay: float = 0.98, shape=_unpadded):
         self.rest = EWLeastSquares(3, decay)  # round minus draft phase ~ [1, B, B·w]
         self.step = EWLeastSquares(2, decay)  # one draft step ~ [1, B]
+        self.shape = shape
         self.observed = 0
 
-    @staticmethod
-    def _rest_x(batch, width):
-        return (1.0, batch, batch * width)
+    def _rest_x(self, batch, width):
+        rows, q = self.shape(batch, width + 1)
+        return (1.0, rows, rows * (q - 1))
 
     def add_calibration(self, batch: int, width: int, seconds: float) -> None:
         self.rest.add_fixed(self._rest_x(batch, width), seconds, CALIBRATION_WEIGHT)

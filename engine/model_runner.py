@@ -66,9 +66,13 @@ def decoder_layer(h, w: tuple, cos, sin, mask, kc, vc, slot_t, write_pos, first_
     nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
     kv_len = mask.shape[-1]
     x = rms_norm(h, ln1, shape.eps)
-    qs = linear(x, wq, bq).view(B, q, nh, hd)
-    ks = linear(x, wk, bk).view(B, q, kvh, hd)
-    vs = linear(x, wv, bv).view(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
+    if wk is None:  # Q, K and V in one 4-bit matrix (engine/quant.py)
+        qs, ks, vs = linear(x, wq).split(wq.split, dim=-1)
+    else:
+        qs, ks, vs = linear(x, wq, bq), linear(x, wk, bk), linear(x, wv, bv)
+    qs = qs.reshape(B, q, nh, hd)
+    ks = ks.reshape(B, q, kvh, hd)
+    vs = vs.reshape(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
     if qn is not None:  # qwen3
         qs, ks = rms_norm(qs, qn, shape.eps), rms_norm(ks, kn, shape.eps)
     qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [batch, heads, q, head_dim]
@@ -85,9 +89,12 @@ def decoder_layer(h, w: tuple, cos, sin, mask, kc, vc, slot_t, write_pos, first_
                                        enable_gqa=kvh != nh)  # [batch, heads, q, head_dim]
     h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), wo)
     x = rms_norm(h, ln2, shape.eps)
-    g = linear(x, wg)
+    if wu is None:  # gate and up in one 4-bit matrix
+        g, u = linear(x, wg).split(wg.split, dim=-1)
+    else:
+        g, u = linear(x, wg), linear(x, wu)
     g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)
-    return h + linear(g * linear(x, wu), wd)
+    return h + linear(g * u, wd)
 
 
 def layer_weights(layer) -> tuple:
@@ -133,6 +140,7 @@ class ModelRunner:
         self.cache = SlotKVCache(len(layers), num_slots, self.kv_heads, self.head_dim,
                                  self.max_len, self.dtype, self.device)
         self.fast = None  # a FastForward (engine/fast_forward.py) once compiled
+        self.head = None  # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head)
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -178,7 +186,26 @@ class ModelRunner:
         if logits == "last":
             last = torch.tensor([n - 1 for n in counts], device=dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
-        return self.lm_head(h).float()  # [batch, vocab] or [batch, q, vocab]
+        return self.logits(h)  # [batch, vocab] or [batch, q, vocab]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., hidden]``."""
+        # the file's Q8_0 head as two 4-bit halves (engine/quant.py), at every batch size: one
+        # model whatever the batch (dense bf16 would be faster past ~8 positions, but it is the
+        # head's weights rounded to bf16, a slightly different model)
+        if self.head is not None:
+            return q4_linear(torch.cat([h, h], dim=-1), self.head.packed, self.head.scale_zero).float()
+        return self.lm_head(h).float()
+
+    def padded_shape(self, batch: int, q: int) -> tuple[int, int]:
+        """The (rows, query tokens) that a forward of ``batch`` rows of ``q`` tokens really runs:
+        the fast path's buckets when it handles the shape (rows counted as if the batch held the
+        lowest slots), else the shape as given. The round cost model (k_control.py) prices
+        rounds by it: a verify costs what its padded shape costs."""
+        fast = self.fast
+        if fast is not None and fast.handles(list(range(batch)), q):
+            return fast.bucket_shape(batch, q)
+        return batch, q
 
     def positions(self, starts: list[int], counts: list[int], q: int):
         """Host-built index tensors (no device sync): the position of every query token, and where

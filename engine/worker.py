@@ -99,6 +99,10 @@ class _Channel:
 class EngineWorker:
     def __init__(self, engine: SpecEngine, max_queued: int | None = None,
                  max_buffered: int = 64):
+        from .rejection import rejection_sample
+        if getattr(engine, "accept", rejection_sample) is not rejection_sample:
+            raise ValueError("this engine's acceptance rule is not the exact rejection rule "
+                             "(a benchmark's synthetic acceptance): refusing to serve it")
         self.engine = engine
         # requests in flight beyond the running slots; None: unbounded
         self.max_queued = max_queued

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -166,6 +167,9 @@ def main(argv=None):
     ap.add_argument("--config", default="configs/cpu-compiled.yaml", help="specd's config")
     ap.add_argument("--llamacpp-venv", default=str(LLAMACPP_VENV))
     ap.add_argument("--start-timeout", type=float, default=1200)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the servers this many times, the order reversed every other round "
+                         "(A B C, C B A, ...); the table shows medians, ratios per round")
     ap.add_argument("--out", default="loadtest/results/bench_servers")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -173,7 +177,10 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     data = mix_file(out / "mix.jsonl")
     rows = []
-    for name in args.servers.split(","):
+    names = args.servers.split(",")
+    order = [(rnd, name) for rnd in range(args.rounds)
+             for name in (names if rnd % 2 == 0 else names[::-1])]
+    for rnd, name in order:
         with started(name, args) as (base, sampler, ready_s):
             model = model_id(base, name, args)
             largs = cli.parse_args(["--base-url", base, "--model", model,
@@ -185,29 +192,54 @@ def main(argv=None):
             peak = sampler.peak
         for r in res["runs"]:
             s = r["summary"]
-            rows.append({"server": name, "concurrency": r["concurrency"], "ready_s": ready_s,
+            rows.append({"server": name, "round": rnd, "concurrency": r["concurrency"], "ready_s": ready_s,
                          "output_tok_s": s["output_tok_s"], "ttft_p50_ms": s["ttft"]["p50_ms"],
                          "itl_p95_ms": s["itl_token"]["p95_ms"], "errors": s.get("errors", 0),
                          "requests": s.get("requests"), "peak_rss_mib": peak,
                          "server_stats": r.get("server")})
-        (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+        suffix = f"-{rnd}" if args.rounds > 1 else ""
+        (out / f"{name}{suffix}.json").write_text(json.dumps(res, indent=1, default=str))
 
     print(f"\nServers on this machine ({os.cpu_count()} cores): 16 MT-Bench chats + 8 HumanEval "
-          f"completions, greedy, max_tokens {args.max_tokens}, streamed")
+          f"completions, greedy, max_tokens {args.max_tokens}, streamed"
+          + (f"; median of {args.rounds} rounds (order reversed every other round), peak RSS "
+             f"the largest" if args.rounds > 1 else ""))
     print(f"{'server':<10}{'clients':>8}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p95 ms':>12}"
           f"{'peak RSS MiB':>14}{'errors':>8}{'ready s':>9}")
-    for r in rows:
-        print(f"{r['server']:<10}{r['concurrency']:>8}{r['output_tok_s']:>11.1f}"
-              f"{r['ttft_p50_ms']:>13.0f}{r['itl_p95_ms']:>12.1f}{r['peak_rss_mib']:>14.0f}"
-              f"{r['errors']:>8}{r['ready_s']:>9.0f}")
-    by = {(r["server"], r["concurrency"]): r for r in rows}
-    for c in sorted({r["concurrency"] for r in rows}):
-        s = by.get(("specd", c))
+    levels = sorted({r["concurrency"] for r in rows})
+    med = {}
+    for name in names:
+        for c in levels:
+            rs = [r for r in rows if r["server"] == name and r["concurrency"] == c]
+            if not rs:
+                continue
+            m = {k: statistics.median(r[k] for r in rs)
+                 for k in ("output_tok_s", "ttft_p50_ms", "itl_p95_ms", "ready_s")}
+            m.update(peak_rss_mib=max(r["peak_rss_mib"] for r in rs),
+                     errors=sum(r["errors"] for r in rs))
+            med[name, c] = m
+            print(f"{name:<10}{c:>8}{m['output_tok_s']:>11.1f}{m['ttft_p50_ms']:>13.0f}"
+                  f"{m['itl_p95_ms']:>12.1f}{m['peak_rss_mib']:>14.0f}{m['errors']:>8}"
+                  f"{m['ready_s']:>9.0f}")
+    for c in levels:
         for other in ("llamacpp", "hf"):
-            o = by.get((other, c))
-            if s and o and o["output_tok_s"]:
-                print(f"c={c}: specd / {other} output tok/s = "
-                      f"{s['output_tok_s'] / o['output_tok_s']:.2f}")
+            if ("specd", c) not in med or (other, c) not in med:
+                continue
+            per_round = [s["output_tok_s"] / o["output_tok_s"]
+                         for s in rows if s["server"] == "specd" and s["concurrency"] == c
+                         for o in rows if o["server"] == other and o["concurrency"] == c
+                         and o["round"] == s["round"] and o["output_tok_s"]]
+            line = (f"c={c}: specd / {other} output tok/s = "
+                    f"{med['specd', c]['output_tok_s'] / med[other, c]['output_tok_s']:.2f}")
+            if len(per_round) > 1:
+                line += " (per round " + ", ".join(f"{x:.2f}" for x in per_round) + ")"
+            print(line)
+    for c in levels:
+        st = [r["server_stats"] for r in rows if r["server"] == "specd" and r["concurrency"] == c
+              and r.get("server_stats")]
+        if st:
+            print(f"specd c={c}: acceptance " + ", ".join(f"{x['acceptance']:.2f}" for x in st)
+                  + "; tokens per target pass " + ", ".join(f"{x['tokens_per_pass']:.2f}" for x in st))
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
 
 

@@ -45,6 +45,18 @@ def test_handles_only_shapes_inside_the_buckets(models):
         FastForward(e.target, CompileConfig(batch_buckets=[16]), k_max=2)  # 8 slots only
 
 
+def test_padded_shape_is_the_bucket_the_forward_runs(models):
+    e = engine_for(models, "ngram")
+    assert e.target.padded_shape(3, 2) == (3, 2)  # eager: as given
+    e.target.fast = FastForward(e.target, CompileConfig(enabled=True, backend="eager",
+                                                        batch_buckets=[2, 4], q_buckets=[1, 4]),
+                                k_max=3)
+    assert e.target.padded_shape(1, 1) == (2, 1)
+    assert e.target.padded_shape(3, 2) == (4, 4)
+    assert e.target.padded_shape(3, 5) == (3, 5)  # past the q buckets: eager, unpadded
+    assert e.controller.cost.shape == e.target.padded_shape  # the adaptive K prices it
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram", None])
 def test_fast_path_output_equals_eager(models, drafter):
     """Dynamo traces the layer (backend "eager": no inductor, fast); every bucket and a batch

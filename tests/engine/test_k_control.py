@@ -136,6 +136,29 @@ def test_speculation_shrinks_as_the_batch_grows():
     assert np.mean([k == 0 for k in k64[30:]]) > 0.8
 
 
+def test_widths_padded_to_one_verify_shape_cost_alike():
+    """On the fast path a verify pads w + 1 to a q bucket (here 1, 4, 8: the CPU int4 matmul
+    works in blocks of 4 rows); the cost model prices the padded shape, so at a good α the
+    controller drafts 3 (as dear as 1 or 2) rather than 1 or 2, and 7 rather than 4..6."""
+    buckets = (1, 4, 8)
+
+    def padded(batch, q):
+        return batch, next(b for b in buckets if b >= q)
+
+    def true_cost(batch, width, steps):  # blocks of 4 verify tokens, 10 ms each, + 12 ms
+        return 0.012 + 0.010 * -(-padded(batch, width + 1)[1] // 4), 0.0
+
+    cost = RoundCost(shape=padded)
+    for w in (0, 2, 6):
+        cost.add_calibration(1, w, true_cost(1, w, 0)[0])
+    assert cost.predict(1, 1, 0) == pytest.approx(cost.predict(1, 3, 0))
+    assert cost.predict(1, 4, 0) == pytest.approx(cost.predict(1, 7, 0))
+    ctrl = AdaptiveK(7, cost=cost)
+    ks = simulate(ctrl, [0.7] * 60, true_cost, cap=7, seed=1)
+    assert set(ks) <= {0, 3, 7}
+    assert ks[10:].count(3) > 0.8 * len(ks[10:])
+
+
 def test_k_stays_within_bounds_on_random_streams():
     rng = np.random.default_rng(7)
     for trial in range(20):

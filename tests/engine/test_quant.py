@@ -9,7 +9,8 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.loader import resolve_spec
 from engine.model_runner import ModelRunner
-from engine.quant import GROUP, Q4Weight, _blocks, _row_perm, convert_q4_1
+from engine.quant import (GROUP, Q4Weight, _blocks, _q8_0_blocks, _row_perm, convert_q4_1,
+                          convert_q8_0_head)
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from tests.conftest import REAL_SPEC
@@ -25,18 +26,32 @@ def test_q4_1_block_layout():
     assert q[0, :16].tolist() == list(range(16)) and q[0, 16:].tolist() == list(range(15, -1, -1))
     assert dd[0, 0] == 0.5 and mm[0, 0] == -1.0
     assert sorted(_row_perm(8, 2).tolist()) == list(range(8))
+    q8 = np.arange(-128, 128, 8, dtype=np.int8)  # one Q8_0 block: d, then 32 int8
+    q, dd = _q8_0_blocks(np.concatenate([np.frombuffer(d.tobytes(), np.uint8), q8.view(np.uint8)])[None], 1, GROUP)
+    assert q[0].tolist() == q8.tolist() and dd[0, 0] == 0.5
+    u = q8.astype(np.int32) + 128  # the two-nibble split of convert_q8_0_head is exact
+    assert (16 * 0.5 * ((u >> 4) - 8) + 0.5 * ((u & 15) - 8) + 8 * 0.5 == 0.5 * q8).all()
 
 
 def test_converted_weights_are_the_files(real_fp32):
     model, tok = real_fp32
     dense = ModelRunner(model, 1, 256)
     q4 = ModelRunner(model, 1, 256)
-    assert convert_q4_1(resolve_spec(REAL_SPEC).location, q4) == 210  # 30 x 7
-    assert all(isinstance(w[1], Q4Weight) for w in q4.weights)
+    unfused = ModelRunner(model, 1, 256)
+    path = resolve_spec(REAL_SPEC).location
+    assert convert_q4_1(path, q4) == 210  # 30 x 7
+    assert convert_q4_1(path, unfused, fuse=False) == 210
+    assert convert_q8_0_head(path, q4) and convert_q8_0_head(path, unfused)
+    assert q4.head.shape == (49152, 2 * 576)  # [x, x] @ [high nibbles | low nibbles].T
+    assert all(w[1].split == (576, 192, 192) and w[3] is None and w[5] is None for w in q4.weights)
+    assert all(w[9].split == (1536, 1536) and w[10] is None for w in q4.weights)
+    assert all(isinstance(x, Q4Weight) for w in unfused.weights for x in w[1:12:2] + (w[10],))
     ids = tok("def fibonacci(n):\n    ", return_tensors=None)["input_ids"]
     a = dense.forward([ids], [0], logits="all")
     b = q4.forward([ids], [0], logits="all")
     assert torch.allclose(a, b, atol=5e-3, rtol=0), (a - b).abs().max()
+    c = unfused.forward([ids], [0], logits="all")
+    assert torch.allclose(b, c, atol=1e-5, rtol=0), (b - c).abs().max()  # fusing changes no sum
 
 
 def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
