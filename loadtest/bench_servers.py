@@ -9,6 +9,7 @@ latency (per token, see loadtest/client.py), and the server's peak resident memo
 its process tree, sampled every 0.2 s from start to stop, warm-up and compilation included).
 
     python -m loadtest.bench_servers                          # all three, c = 1 and 8
+    python -m loadtest.bench_servers --rounds 2               # twice, order reversed: medians
     python -m loadtest.bench_servers --servers specd --concurrency 1
 
 Servers:
