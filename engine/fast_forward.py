@@ -115,23 +115,27 @@ class FastForward:
                                        fullgraph=True)
         self.calls = 0
 
-    def handles(self, slots: list[int], q: int) -> bool:
-        return (_bucket(self.batch_buckets, max(slots) + 1) is not None
-                and _bucket(self.q_buckets, q) is not None)
+    def bucket_shape(self, rows: int, q: int) -> tuple[int, int] | None:
+        """(batch bucket, q bucket) of a forward over slots ``[0, rows)`` of ``q`` tokens, or
+        None when the shape is outside the buckets (the forward runs eagerly)."""
+        nb, qb = _bucket(self.batch_buckets, rows), _bucket(self.q_buckets, q)
+        return None if nb is None or qb is None else (nb, qb)
 
-    def bucket_shape(self, rows: int, q: int) -> tuple[int, int]:
-        """(batch bucket, q bucket) of a forward over slots ``[0, rows)`` of ``q`` tokens."""
-        return _bucket(self.batch_buckets, rows), _bucket(self.q_buckets, q)
+    def handles(self, slots: list[int], q: int) -> bool:
+        return self.bucket_shape(max(slots) + 1, q) is not None
 
     # -- one forward ----------------------------------------------------------------------------
     def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
-            counts: list[int]) -> torch.Tensor:
+            counts: list[int]) -> torch.Tensor | None:
         """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens;
-        returns their final-normed hidden states ``[batch, q, hidden]``."""
+        returns their final-normed hidden states ``[batch, q, hidden]``, or None when the shape
+        is outside the buckets."""
         runner, dev = self.runner, self.runner.device
         B, q = ids.shape
-        nb = _bucket(self.batch_buckets, max(slots) + 1)
-        qb = _bucket(self.q_buckets, q)
+        shape = self.bucket_shape(max(slots) + 1, q)
+        if shape is None:
+            return None
+        nb, qb = shape
         row_start, row_count = [0] * nb, [0] * nb  # padding rows: zero tokens at position 0
         for s, st, n in zip(slots, starts, counts):
             row_start[s], row_count[s] = st, n

@@ -170,8 +170,8 @@ class ModelRunner:
         if kv_len > cache.max_len:
             raise ValueError("forward past the cache's max_len")
         h = None
-        if self.fast is not None and self.fast.handles(slots, q):
-            try:
+        if self.fast is not None:
+            try:  # None when the shape is outside the buckets
                 h = self.fast.run(ids, slots, starts, counts)  # [batch, q, hidden], normed
             except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
                 from .fast_forward import disable
@@ -202,10 +202,8 @@ class ModelRunner:
         the fast path's buckets when it handles the shape (rows counted as if the batch held the
         lowest slots), else the shape as given. The round cost model (k_control.py) prices
         rounds by it: a verify costs what its padded shape costs."""
-        fast = self.fast
-        if fast is not None and fast.handles(list(range(batch)), q):
-            return fast.bucket_shape(batch, q)
-        return batch, q
+        padded = self.fast.bucket_shape(batch, q) if self.fast is not None else None
+        return padded or (batch, q)
 
     def positions(self, starts: list[int], counts: list[int], q: int):
         """Host-built index tensors (no device sync): the position of every query token, and where

@@ -15,12 +15,12 @@ a dense float copy, and a decode step then streams ~4x more bytes than the file 
 It is the model of the GGUF file (the one llama.cpp serves), not a further quantization: at load
 every converted matrix is checked against transformers' dequantized weight (tolerance of the
 activation dtype) and a mismatch keeps the dense weights. Speculation stays lossless: the target
-is this model whichever drafter runs. Embeddings, norms and the LM head stay dense.
+is this model whichever drafter runs. The LM head runs from the file's Q8_0 blocks as 4-bit
+halves (:func:`convert_q8_0_head`); embeddings and norms stay dense.
 """
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -109,8 +109,10 @@ def use_native_q4(spec: str, runner, *sharing) -> int:
     if r.kind != "gguf":
         log.warning("model.native_q4 needs a GGUF model spec; keeping dense weights")
         return 0
-    n = convert_q4_1(r.location, runner)
-    head = convert_q8_0_head(r.location, runner) if n else False
+    import gguf
+    reader = gguf.GGUFReader(str(r.location))  # parsed once for both conversions (seconds)
+    n = convert_q4_1(reader, runner)
+    head = convert_q8_0_head(reader, runner) if n else False
     log.info("native_q4: %d Q4_1 matrices kept 4-bit%s", n,
              ", Q8_0 LM head as two 4-bit halves" if head else "")
     for other in sharing:
@@ -133,17 +135,22 @@ def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray, dtype: torch.dtype,
     return Q4Weight(packed, scale_zero, q.shape, split)
 
 
-def convert_q4_1(gguf_path: str | Path, runner, fuse: bool = True) -> int:
-    """Replace ``runner``'s dense Q4_1 projections by :class:`Q4Weight` (CPU only; scales in the
-    runner's dtype). Returns the number of file matrices converted (0 when the file has none, or
-    on any mismatch). ``fuse``: a layer's Q, K and V become one matrix (one matmul instead of
-    three) and so do gate and up, when all of them are Q4_1 and there are no biases."""
+def _reader(gguf_file):
+    """A ``gguf.GGUFReader`` for a path, or the reader itself."""
     import gguf
+    return gguf_file if isinstance(gguf_file, gguf.GGUFReader) else gguf.GGUFReader(str(gguf_file))
 
+
+def convert_q4_1(gguf_file, runner, fuse: bool = True) -> int:
+    """Replace ``runner``'s dense Q4_1 projections by :class:`Q4Weight` (CPU only; scales in the
+    runner's dtype). ``gguf_file``: a path or a ``GGUFReader``. Returns the number of file
+    matrices converted (0 when the file has none, or on any mismatch). ``fuse``: a layer's Q, K
+    and V become one matrix (one matmul instead of three) and so do gate and up, when all of
+    them are Q4_1 and there are no biases."""
     if runner.device.type != "cpu":
         log.warning("native_q4 runs on CPU only; keeping dense weights")
         return 0
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _reader(gguf_file)
     cfg = runner.config
     heads, kv_heads = cfg.num_attention_heads, runner.kv_heads
     new = [list(w) for w in runner.weights]
@@ -166,6 +173,7 @@ def convert_q4_1(gguf_path: str | Path, runner, fuse: bool = True) -> int:
             log.warning("GGUF tensor %s does not match the loaded weights; keeping dense", t.name)
             return 0
         blocks[i, slot] = (q, d, m)
+    count = len(blocks)
     for i, w in enumerate(new):
         groups = [(1, 3, 5), (9, 10)] if fuse else []  # (q, k, v), (gate, up)
         for group in groups:
@@ -180,7 +188,7 @@ def convert_q4_1(gguf_path: str | Path, runner, fuse: bool = True) -> int:
             if (i, s) in blocks:
                 w[s] = _pack(*blocks.pop((i, s)), runner.dtype)
     runner.weights = [tuple(w) for w in new]
-    return sum(isinstance(x, Q4Weight) and len(x.split or (0,)) for w in new for x in w)
+    return count
 
 
 def _q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +199,7 @@ def _q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.
     return q.reshape(rows, cols), d
 
 
-def convert_q8_0_head(gguf_path: str | Path, runner) -> bool:
+def convert_q8_0_head(gguf_file, runner) -> bool:
     """Run the LM head from the file's Q8_0 blocks (``output.weight``, or ``token_embd.weight``
     when the embeddings are tied) as one 4-bit matmul: each 8-bit weight ``q`` (+128, 0..255)
     is its high and low nibble, ``d·q = 16d·(hi - 8) + d·(lo - 8) + 8d``, so the head is
@@ -199,13 +207,11 @@ def convert_q8_0_head(gguf_path: str | Path, runner) -> bool:
     (16d, 0) on the high half and (d, 8d) on the low half. 28 MB of nibbles + scales instead of
     56 MB of bf16: the head streams ~40% fewer bytes (on this machine a decode step reads the
     whole head from memory; ~5.9 -> ~3 ms). Checked against the dense head like every layer
-    matrix; returns False (head stays dense) when the file has no Q8_0 head or it differs."""
-    import gguf
-
+    matrix; returns False (head stays dense) when the file has no Q8_0 head or it differs.
+    ``gguf_file``: a path or a ``GGUFReader``."""
     if runner.device.type != "cpu":
         return False
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in _reader(gguf_file).tensors}
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None or t.tensor_type.name != "Q8_0":
         return False

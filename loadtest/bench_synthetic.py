@@ -40,7 +40,7 @@ from engine.k_control import FixedK
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from loadtest.bench_steps import SHAPES, random_model, sync
+from loadtest.bench_steps import SHAPES, random_model, sync, time_forward
 
 
 def synthetic_accept(alpha: float, gen: torch.Generator):
@@ -60,20 +60,6 @@ def synthetic_accept(alpha: float, gen: torch.Generator):
 
 def bound(alpha: float, k: int, c: float) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (1 + k * c))
-
-
-def step_ms(runner: ModelRunner, batch: int, reps: int) -> float:
-    """Median time of a 1-token forward of ``batch`` rows (cache slots 0..batch-1, committed)."""
-    dev = runner.device
-    ids = torch.randint(0, runner.vocab_size, (batch, 1), device=dev)
-    out = []
-    for _ in range(reps + 2):
-        sync(dev)
-        t = time.perf_counter()
-        runner.forward(ids, list(range(batch)), counts=[1] * batch)
-        sync(dev)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out[2:]) * 1e3
 
 
 def main(argv=None):
@@ -127,7 +113,8 @@ def main(argv=None):
             r.cache.allocate(s)
             r.forward([[1] * args.prompt_tokens], [s])
             r.cache.commit(s, args.prompt_tokens)
-    t_ms, d_ms = step_ms(target, B, 20), step_ms(draft_runner, B, 20)
+    t_ms, d_ms = (statistics.median(time_forward(r, B, 1, 22)[2:]) * 1e3  # first 2: warm-up
+                  for r in (target, draft_runner))
     for r in engine.runners():
         for s in range(B):
             r.cache.free(s)
