@@ -1,4 +1,5 @@
 """Build a :class:`SpecEngine` (target runner + drafter) from an :class:`EngineConfig`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,9 +37,14 @@ def make_controller(d, drafter) -> KController:
     if drafter is None:
         return FixedK(0)
     if d.controller == "adaptive":
-        return AdaptiveK(d.k_max, drafter.steps, min_gain=d.min_gain,
-                         probe_interval=d.probe_interval, probe_k=d.probe_k,
-                         probe_budget=d.probe_budget)
+        return AdaptiveK(
+            d.k_max,
+            drafter.steps,
+            min_gain=d.min_gain,
+            probe_interval=d.probe_interval,
+            probe_k=d.probe_k,
+            probe_budget=d.probe_budget,
+        )
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)
     if d.controller == "fixed":
@@ -65,21 +71,34 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
             raise ValueError("drafter.method 'layers' needs drafter.num_layers")
         draft_model = model
         if d.dtype and d.dtype != m.dtype:
-            draft_model, _ = load_model(m.spec, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
-        drafter = ModelDrafter(ModelRunner(draft_model, cfg.max_running, runner.max_len, layers,
-                                           name="draft"),
-                               vocab, name=f"{d.method}{layers or ''}")
+            draft_model, _ = load_model(
+                m.spec, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code
+            )
+        drafter = ModelDrafter(
+            ModelRunner(draft_model, cfg.max_running, runner.max_len, layers, name="draft"),
+            vocab,
+            name=f"{d.method}{layers or ''}",
+        )
     elif d.method == "model":
         if not d.spec:
             raise ValueError("drafter.method 'model' needs drafter.spec")
-        dm, dtok = load_model(d.spec, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
+        dm, dtok = load_model(
+            d.spec, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code
+        )
         check_same_vocab(tok, dtok)
         drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     else:
         raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
-    engine = SpecEngine(runner, drafter, eos_ids(model, tok), cfg.max_prefill_per_step,
-                        cfg.prefill_chunk_tokens, make_controller(d, drafter), d.k_max)
+    engine = SpecEngine(
+        runner,
+        drafter,
+        eos_ids(model, tok),
+        cfg.max_prefill_per_step,
+        cfg.prefill_chunk_tokens,
+        make_controller(d, drafter),
+        d.k_max,
+    )
     if m.native_q4:
         use_native_q4(m.spec, *engine.runners())
     for r in engine.runners():

@@ -1,4 +1,5 @@
 """Engine configuration: dataclasses, YAML loading, and building an engine from them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -58,7 +59,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EngineConfig":
+    def from_dict(cls, d: dict) -> EngineConfig:
         d = dict(d or {})
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
@@ -70,6 +71,6 @@ class EngineConfig:
         return cls(model=model, drafter=drafter, compile=comp, **d)
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
         return cls.from_dict(data.get("engine", data))

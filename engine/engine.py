@@ -25,6 +25,7 @@ exactly the target's. Each fault adds one to ``drafter_failures`` (a metric read
 The random draws of a row depend only on its own K in that round (never on the batch), so a
 seeded request reproduces whatever else runs beside it, as long as its K sequence is the same.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,6 +49,7 @@ log = logging.getLogger("specd.engine")
 @dataclass
 class RoundPlan:
     """What the plan phase decided for every row of one round (device tensors are [batch, ...])."""
+
     ks: list[int]  # K_i asked of the drafter
     temperature: torch.Tensor  # [batch] float, 1.0 for greedy rows
     top_k: torch.Tensor  # [batch] long, 0 = off
@@ -79,9 +81,16 @@ class StepOutput:
 
 
 class SpecEngine:
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, eos_token_ids: list[int],
-                 max_prefill_per_step: int = 4, prefill_chunk_tokens: int = 512,
-                 controller: KController | None = None, k_max: int = 8):
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: Drafter | None,
+        eos_token_ids: list[int],
+        max_prefill_per_step: int = 4,
+        prefill_chunk_tokens: int = 512,
+        controller: KController | None = None,
+        k_max: int = 8,
+    ):
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
         if controller is None:
@@ -114,23 +123,37 @@ class SpecEngine:
         """Compile and run every shape of the fast forward path (engine/fast_forward.py) of the
         target and the draft model, if they have one. The worker calls it before it is ready."""
         from .fast_forward import warm_up
+
         for runner in self.runners():
             warm_up(runner)
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    spec: SpecParams | None = None) -> Sequence:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: SpecParams | None = None,
+    ) -> Sequence:
         if not prompt_ids:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.target.max_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the context "
-                             f"({self.target.max_len} tokens)")
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context "
+                f"({self.target.max_len} tokens)"
+            )
         if not all(0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError("prompt token id outside the vocabulary")
         gen = torch.Generator(device=self.device)
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        seq = Sequence(request_id, list(prompt_ids), params, spec or SpecParams(), gen,
-                       arrival=time.perf_counter())
+        seq = Sequence(
+            request_id,
+            list(prompt_ids),
+            params,
+            spec or SpecParams(),
+            gen,
+            arrival=time.perf_counter(),
+        )
         self.waiting.append(seq)
         return seq
 
@@ -151,15 +174,21 @@ class SpecEngine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 spec: SpecParams | list[SpecParams] | None = None,
-                 on_step=None) -> list[Sequence]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        spec: SpecParams | list[SpecParams] | None = None,
+        on_step=None,
+    ) -> list[Sequence]:
         """Run ``prompts`` together to completion (tests, benchmarks, the CLI demo)."""
         n = len(prompts)
         params = params if isinstance(params, list) else [params] * n
         spec = spec if isinstance(spec, list) else [spec or SpecParams()] * n
-        seqs = [self.add_request(f"gen-{i}", p, sp, s)
-                for i, (p, sp, s) in enumerate(zip(prompts, params, spec))]
+        seqs = [
+            self.add_request(f"gen-{i}", p, sp, s)
+            for i, (p, sp, s) in enumerate(zip(prompts, params, spec))
+        ]
         while self.has_work():
             outs = self.step()
             if on_step:
@@ -168,11 +197,15 @@ class SpecEngine:
 
     # -- one engine step --------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        if not self.controller.calibrated and self.target.cache.num_free() and any(
-                s.spec.enabled and s.spec.k is None for s in self.waiting):
+        if (
+            not self.controller.calibrated
+            and self.target.cache.num_free()
+            and any(s.spec.enabled and s.spec.k is None for s in self.waiting)
+        ):
             # once, before the first request the controller decides for: time forwards on free slots
-            self.controller.calibrate(self.target, getattr(self.drafter, "runner", None),
-                                      self.target.cache.free_slots())
+            self.controller.calibrate(
+                self.target, getattr(self.drafter, "runner", None), self.target.cache.free_slots()
+            )
         outputs = self._admit()
         if self.running:
             outputs += self._round(self.running)
@@ -185,7 +218,9 @@ class SpecEngine:
         for more than one chunk's forward). A sequence whose prompt is complete samples its first
         token from the last chunk's logits and joins the running batch."""
         cache = self.target.cache
-        while self.waiting and cache.num_free() and len(self.prefilling) < self.max_prefill_per_step:
+        while (
+            self.waiting and cache.num_free() and len(self.prefilling) < self.max_prefill_per_step
+        ):
             seq = self.waiting.popleft()
             seq.slot = cache.allocate()
             seq.status = Status.RUNNING
@@ -198,7 +233,7 @@ class SpecEngine:
             if budget <= 0:
                 break
             start = cache.lengths[s.slot]
-            chunk = s.prompt_ids[start:start + budget]
+            chunk = s.prompt_ids[start : start + budget]
             logits = self.target.forward([chunk], [s.slot])  # [1, vocab]
             cache.commit(s.slot, start + len(chunk))
             budget -= len(chunk)
@@ -212,10 +247,13 @@ class SpecEngine:
         if self.drafter is not None:
             self._drafter_call("add", new, new)
         plan = self._plan(new, with_k=False)
-        probs = logits_to_probs(logits[:, None], plan.temperature, plan.top_k, plan.top_p)  # [new, 1, vocab]
+        probs = logits_to_probs(
+            logits[:, None], plan.temperature, plan.top_k, plan.top_p
+        )  # [new, 1, vocab]
         empty = torch.zeros(len(new), 0, dtype=torch.long, device=self.device)
-        num_acc, next_tok = rejection_sample(probs, empty, plan.num_zero, None, plan.greedy,
-                                             plan.uniforms, plan.noise)
+        num_acc, next_tok = rejection_sample(
+            probs, empty, plan.num_zero, None, plan.greedy, plan.uniforms, plan.noise
+        )
         host = next_tok.tolist()
         lps = self._logprobs(new, probs, empty, num_acc, next_tok)
         outputs = []
@@ -249,14 +287,18 @@ class SpecEngine:
         t1 = time.perf_counter()
         # 3. verify: one target pass over [last token, d_1..d_K] per row
         verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
-        logits = self.target.forward(verify_ids, [s.slot for s in seqs],
-                                     counts=[n + 1 for n in num_draft], logits="all")
-        probs = logits_to_probs(logits, plan.temperature, plan.top_k, plan.top_p)  # [batch, K+1, vocab]
+        logits = self.target.forward(
+            verify_ids, [s.slot for s in seqs], counts=[n + 1 for n in num_draft], logits="all"
+        )
+        probs = logits_to_probs(
+            logits, plan.temperature, plan.top_k, plan.top_p
+        )  # [batch, K+1, vocab]
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept
         num_t = torch.tensor(num_draft, device=self.device)
-        num_acc, next_tok = self.accept(probs, drafts, num_t, draft_probs, plan.greedy,
-                                        plan.uniforms[:, :kmax], plan.noise)
+        num_acc, next_tok = self.accept(
+            probs, drafts, num_t, draft_probs, plan.greedy, plan.uniforms[:, :kmax], plan.noise
+        )
         # the one device->host sync of the round
         host = torch.cat([num_acc[:, None], next_tok[:, None], drafts], dim=1).tolist()
         lps = self._logprobs(seqs, probs, drafts, num_acc, next_tok)
@@ -264,7 +306,7 @@ class SpecEngine:
         # 5. commit / rollback
         outputs = []
         for b, (s, k, nd, row) in enumerate(zip(seqs, plan.ks, num_draft, host)):
-            a, tok, drafted = row[0], row[1], row[2:2 + row[0]]
+            a, tok, drafted = row[0], row[1], row[2 : 2 + row[0]]
             s.drafted += nd
             s.accepted += a
             s.target_passes += 1
@@ -289,7 +331,9 @@ class SpecEngine:
         ks = [self.controller.k_for(s, self._k_cap(s)) if with_k else 0 for s in seqs]
         kmax = max(ks + [0])
         sample_drafts = with_k and self.drafter is not None and self.drafter.samples
-        draft_noise = torch.ones(B, kmax, V, device=dev) if sample_drafts else None  # [batch, K, vocab]
+        draft_noise = (
+            torch.ones(B, kmax, V, device=dev) if sample_drafts else None
+        )  # [batch, K, vocab]
         uniforms = torch.zeros(B, kmax, device=dev)  # [batch, K]
         noise = torch.ones(B, V, device=dev)  # [batch, vocab]
         temp, top_k, top_p, greedy, last = [], [], [], [], []
@@ -308,11 +352,17 @@ class SpecEngine:
             if k:
                 uniforms[b, :k] = torch.rand(k, generator=g, device=dev)
             noise[b].exponential_(generator=g)
-        return RoundPlan(ks=ks, temperature=torch.tensor(temp, device=dev),
-                         top_k=torch.tensor(top_k, device=dev), top_p=torch.tensor(top_p, device=dev),
-                         greedy=torch.tensor(greedy, device=dev),
-                         last=torch.tensor(last, device=dev)[:, None], draft_noise=draft_noise,
-                         uniforms=uniforms, noise=noise)
+        return RoundPlan(
+            ks=ks,
+            temperature=torch.tensor(temp, device=dev),
+            top_k=torch.tensor(top_k, device=dev),
+            top_p=torch.tensor(top_p, device=dev),
+            greedy=torch.tensor(greedy, device=dev),
+            last=torch.tensor(last, device=dev)[:, None],
+            draft_noise=draft_noise,
+            uniforms=uniforms,
+            noise=noise,
+        )
 
     # -- drafter faults -------------------------------------------------------------------------
     def _drafter_call(self, method: str, rows: list[Sequence], *args):
@@ -327,8 +377,14 @@ class SpecEngine:
         """Count the fault; ``rows`` decode plainly from now on (their output stays exact: the
         target alone decides every token of a K = 0 round)."""
         self.drafter_failures += 1
-        log.error("drafter %s failed in %s (%s: %s); %d request(s) fall back to plain decoding",
-                  getattr(self.drafter, "name", "?"), where, type(err).__name__, err, len(rows))
+        log.error(
+            "drafter %s failed in %s (%s: %s); %d request(s) fall back to plain decoding",
+            getattr(self.drafter, "name", "?"),
+            where,
+            type(err).__name__,
+            err,
+            len(rows),
+        )
         for s in rows:
             s.spec = SpecParams(enabled=False, k=0, k_max=0)
 
@@ -337,15 +393,21 @@ class SpecEngine:
         """Host-side shape checks of a proposal (no device sync)."""
         b = len(ks)
         t = prop.tokens
-        return (t.dim() == 2 and t.shape[0] == b and len(prop.num) == b
-                and all(0 <= n <= k for n, k in zip(prop.num, ks)) and t.shape[1] >= max(prop.num)
-                and t.shape[1] <= max(ks)
-                and (prop.probs is None or tuple(prop.probs.shape[:2]) == tuple(t.shape)))
+        return (
+            t.dim() == 2
+            and t.shape[0] == b
+            and len(prop.num) == b
+            and all(0 <= n <= k for n, k in zip(prop.num, ks))
+            and t.shape[1] >= max(prop.num)
+            and t.shape[1] <= max(ks)
+            and (prop.probs is None or tuple(prop.probs.shape[:2]) == tuple(t.shape))
+        )
 
     # -- helpers ----------------------------------------------------------------------------
     def _output(self, s: Sequence, emitted: list[int], stats: RoundStats | None, lps, b: int):
-        out = StepOutput(s.request_id, emitted, s.status is Status.FINISHED, s.finish_reason,
-                         stats, s)
+        out = StepOutput(
+            s.request_id, emitted, s.status is Status.FINISHED, s.finish_reason, stats, s
+        )
         if lps is not None and s.params.logprobs is not None:
             chosen, top_ids, top_lp = lps
             n = len(emitted)

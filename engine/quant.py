@@ -18,6 +18,7 @@ activation dtype) and a mismatch keeps the dense weights. Speculation stays loss
 is this model whichever drafter runs. The LM head runs from the file's Q8_0 blocks as 4-bit
 halves (:func:`convert_q8_0_head`); embeddings and norms stay dense.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,15 +29,27 @@ import torch
 log = logging.getLogger("specd.quant")
 
 GROUP = 32
-_NAMES = {"attn_q": 1, "attn_k": 3, "attn_v": 5, "attn_output": 7, "ffn_gate": 9, "ffn_up": 10,
-          "ffn_down": 11}  # GGUF tensor -> index in model_runner.layer_weights()
+_NAMES = {
+    "attn_q": 1,
+    "attn_k": 3,
+    "attn_v": 5,
+    "attn_output": 7,
+    "ffn_gate": 9,
+    "ffn_up": 10,
+    "ffn_down": 11,
+}  # GGUF tensor -> index in model_runner.layer_weights()
 
 
 class Q4Weight:
     """A 4-bit matrix ``[out, in]`` for ``_weight_int4pack_mm_for_cpu``."""
 
-    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, shape: tuple[int, int],
-                 split: tuple[int, ...] | None = None):
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scale_zero: torch.Tensor,
+        shape: tuple[int, int],
+        split: tuple[int, ...] | None = None,
+    ):
         self.packed, self.scale_zero, self.shape = packed, scale_zero, tuple(shape)
         self.split = split  # fused matrices: the output sizes of each, e.g. (q, k, v)
 
@@ -105,39 +118,58 @@ def use_native_q4(spec: str, runner, *sharing) -> int:
     in each runner of ``sharing`` that runs the same model (the self / first-N-layers drafter).
     Returns the number of matrices converted."""
     from .loader import resolve_spec
+
     r = resolve_spec(spec)
     if r.kind != "gguf":
         log.warning("model.native_q4 needs a GGUF model spec; keeping dense weights")
         return 0
     import gguf
+
     reader = gguf.GGUFReader(str(r.location))  # parsed once for both conversions (seconds)
     n = convert_q4_1(reader, runner)
     head = convert_q8_0_head(reader, runner) if n else False
-    log.info("native_q4: %d Q4_1 matrices kept 4-bit%s", n,
-             ", Q8_0 LM head as two 4-bit halves" if head else "")
+    log.info(
+        "native_q4: %d Q4_1 matrices kept 4-bit%s",
+        n,
+        ", Q8_0 LM head as two 4-bit halves" if head else "",
+    )
     for other in sharing:
         if n and other is not None and other.model is runner.model:
-            other.weights = runner.weights[:len(other.weights)]
+            other.weights = runner.weights[: len(other.weights)]
             other.head = runner.head
     return n
 
 
-def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray, dtype: torch.dtype,
-          split: tuple[int, ...] | None = None) -> Q4Weight:
+def _pack(
+    q: np.ndarray,
+    d: np.ndarray,
+    m: np.ndarray,
+    dtype: torch.dtype,
+    split: tuple[int, ...] | None = None,
+) -> Q4Weight:
     """q ``[out, in]`` 0..15 and d, m ``[out, in/32]`` -> a packed :class:`Q4Weight`."""
     # packed in row chunks (the packed layout is blocked by 64 rows, so chunks concatenate):
     # the int32 copy the packer takes is 8x the nibbles, 226 MB for the LM head in one piece
     step = 4096
-    packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-        torch.from_numpy(q[i:i + step].astype(np.int32)), 1) for i in range(0, q.shape[0], step)])
+    packed = torch.cat(
+        [
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                torch.from_numpy(q[i : i + step].astype(np.int32)), 1
+            )
+            for i in range(0, q.shape[0], step)
+        ]
+    )
     dt, mt = torch.from_numpy(d), torch.from_numpy(m)
-    scale_zero = torch.stack([dt, mt + 8 * dt], -1).transpose(0, 1).contiguous().to(dtype)  # [in/32, out, 2]
+    scale_zero = (
+        torch.stack([dt, mt + 8 * dt], -1).transpose(0, 1).contiguous().to(dtype)
+    )  # [in/32, out, 2]
     return Q4Weight(packed, scale_zero, q.shape, split)
 
 
 def _reader(gguf_file):
     """A ``gguf.GGUFReader`` for a path, or the reader itself."""
     import gguf
+
     return gguf_file if isinstance(gguf_file, gguf.GGUFReader) else gguf.GGUFReader(str(gguf_file))
 
 
@@ -180,8 +212,11 @@ def convert_q4_1(gguf_file, runner, fuse: bool = True) -> int:
             biases = [w[s + 1] for s in group if s in (1, 3, 5)]
             if all((i, s) in blocks for s in group) and all(b is None for b in biases):
                 parts = [blocks.pop((i, s)) for s in group]
-                w[group[0]] = _pack(*(np.concatenate(x) for x in zip(*parts)), runner.dtype,
-                                    split=tuple(p[0].shape[0] for p in parts))
+                w[group[0]] = _pack(
+                    *(np.concatenate(x) for x in zip(*parts)),
+                    runner.dtype,
+                    split=tuple(p[0].shape[0] for p in parts),
+                )
                 for s in group[1:]:
                     w[s] = None  # computed by the fused matrix
         for s in range(len(w)):
@@ -220,8 +255,12 @@ def convert_q8_0_head(gguf_file, runner) -> bool:
     q, d = _q8_0_blocks(np.asarray(t.data), rows, cols)
     step = 4096  # rows per check (float copies of the whole head would be ~450 MB at once)
     if tuple(dense.shape) != (rows, cols) or not all(
-            _same(torch.from_numpy(np.repeat(d[i:i + step], GROUP, 1) * q[i:i + step]),
-                  dense.detach()[i:i + step]) for i in range(0, rows, step)):
+        _same(
+            torch.from_numpy(np.repeat(d[i : i + step], GROUP, 1) * q[i : i + step]),
+            dense.detach()[i : i + step],
+        )
+        for i in range(0, rows, step)
+    ):
         log.warning("GGUF tensor %s does not match the LM head; keeping it dense", t.name)
         return False
     u = q.view(np.uint8) ^ np.uint8(0x80)  # q + 128, 0..255

@@ -19,6 +19,7 @@ Randomness comes in as tensors (``uniforms``, ``noise``) drawn by the caller fro
 own generator, so this function is deterministic and testable. A categorical sample is taken as an
 exponential race: argmax_i(w_i / E_i) with E_i ~ Exp(1) picks i with probability w_i / sum(w).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,8 @@ def rejection_sample(
     target_probs: torch.Tensor,  # [batch, K+1, vocab] target distribution at each verified position
     draft_tokens: torch.Tensor,  # [batch, K] long, padded past each row's num_draft
     num_draft: torch.Tensor,  # [batch] long, K_i <= K
-    draft_probs: torch.Tensor | None,  # [batch, K, vocab], or None for a one-hot (deterministic) drafter
+    draft_probs: torch.Tensor
+    | None,  # [batch, K, vocab], or None for a one-hot (deterministic) drafter
     greedy: torch.Tensor,  # [batch] bool
     uniforms: torch.Tensor,  # [batch, K] in [0, 1)
     noise: torch.Tensor,  # [batch, vocab] Exp(1) draws for the recovered/bonus sample

@@ -5,6 +5,7 @@ model's logits, so the rejection rule compares the two distributions the user ac
 Greedy (temperature 0) rows are handled by argmax in the rejection rule; their probabilities are
 computed at temperature 1 so that logprobs stay meaningful.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ import torch
 @dataclass(frozen=True)
 class SamplingParams:
     """Engine-side sampling parameters (the HTTP layer converts its request into these)."""
+
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> off
@@ -41,8 +43,9 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                    top_p: torch.Tensor) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """``logits`` [batch, t, vocab]; per-row ``temperature``/``top_p`` float [batch] and ``top_k``
     long [batch] (0 = off). Greedy rows must come with temperature 1. Returns probs [batch, t, vocab]."""
     logits = logits / temperature[:, None, None]

@@ -1,4 +1,5 @@
 """One request's state inside the engine."""
+
 from __future__ import annotations
 
 import enum
@@ -19,14 +20,20 @@ class Status(enum.Enum):
 @dataclass(frozen=True)
 class SpecParams:
     """Per-request speculation settings (already validated and capped by the server config)."""
+
     enabled: bool = True
-    k: int | None = None  # a fixed draft length for every round; None: the engine's controller decides
-    k_max: int | None = None  # cap on the controller's K for this request (None: the engine's k_max)
+    k: int | None = (
+        None  # a fixed draft length for every round; None: the engine's controller decides
+    )
+    k_max: int | None = (
+        None  # cap on the controller's K for this request (None: the engine's k_max)
+    )
 
 
 @dataclass
 class RoundStats:
     """What one speculative round did for one row."""
+
     k: int  # draft length asked for
     drafted: int  # tokens the drafter actually proposed (n-gram may find fewer than k)
     accepted: int

@@ -17,6 +17,7 @@ An exception inside a step fails the requests that were in that step (running, p
 any the failed admission had taken) with an error output and frees their cache; requests still
 waiting for a slot stay queued, and the worker keeps serving.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,8 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import AsyncIterator
 
 from .engine import SpecEngine, StepOutput
 from .sampling import SamplingParams
@@ -51,15 +52,23 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
     """One output standing for ``a`` then ``b`` (of the same request)."""
     stats = b.stats
     if a.stats is not None and b.stats is not None:
-        stats = replace(b.stats, drafted=a.stats.drafted + b.stats.drafted,
-                        accepted=a.stats.accepted + b.stats.accepted,
-                        emitted=a.stats.emitted + b.stats.emitted)
+        stats = replace(
+            b.stats,
+            drafted=a.stats.drafted + b.stats.drafted,
+            accepted=a.stats.accepted + b.stats.accepted,
+            emitted=a.stats.emitted + b.stats.emitted,
+        )
     elif a.stats is not None:
         stats = a.stats
-    cat = (lambda x, y: None if x is None and y is None else (x or []) + (y or []))
-    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, stats=stats,
-                   logprobs=cat(a.logprobs, b.logprobs),
-                   top_logprobs=cat(a.top_logprobs, b.top_logprobs), passes=a.passes + b.passes)
+    cat = lambda x, y: None if x is None and y is None else (x or []) + (y or [])
+    return replace(
+        b,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        stats=stats,
+        logprobs=cat(a.logprobs, b.logprobs),
+        top_logprobs=cat(a.top_logprobs, b.top_logprobs),
+        passes=a.passes + b.passes,
+    )
 
 
 class _Channel:
@@ -76,8 +85,12 @@ class _Channel:
     def put(self, item) -> None:  # engine thread
         with self.lock:
             last = self.items[-1] if self.items else None
-            if (len(self.items) >= self.max_items and isinstance(item, StepOutput)
-                    and isinstance(last, StepOutput) and not last.finished):
+            if (
+                len(self.items) >= self.max_items
+                and isinstance(item, StepOutput)
+                and isinstance(last, StepOutput)
+                and not last.finished
+            ):
                 self.items[-1] = merge_outputs(last, item)
                 self.merged += 1
             else:
@@ -97,12 +110,14 @@ class _Channel:
 
 
 class EngineWorker:
-    def __init__(self, engine: SpecEngine, max_queued: int | None = None,
-                 max_buffered: int = 64):
+    def __init__(self, engine: SpecEngine, max_queued: int | None = None, max_buffered: int = 64):
         from .rejection import rejection_sample
+
         if getattr(engine, "accept", rejection_sample) is not rejection_sample:
-            raise ValueError("this engine's acceptance rule is not the exact rejection rule "
-                             "(a benchmark's synthetic acceptance): refusing to serve it")
+            raise ValueError(
+                "this engine's acceptance rule is not the exact rejection rule "
+                "(a benchmark's synthetic acceptance): refusing to serve it"
+            )
         self.engine = engine
         # requests in flight beyond the running slots; None: unbounded
         self.max_queued = max_queued
@@ -162,8 +177,13 @@ class EngineWorker:
             self._thread.join(max(1.0, deadline - time.monotonic()))
 
     # -- the asyncio side -----------------------------------------------------------------------
-    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     spec: SpecParams | None = None) -> AsyncIterator[StepOutput]:
+    async def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: SpecParams | None = None,
+    ) -> AsyncIterator[StepOutput]:
         self.check_admission(1)
         if request_id in self._channels:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -193,8 +213,10 @@ class EngineWorker:
             raise NotAcceptingError("the engine is not accepting requests")
         if not self.warmed.is_set():
             raise NotAcceptingError("the engine is warming up (compiling); retry shortly")
-        if self.max_queued is not None and \
-                len(self._channels) + count > self.engine.target.cache.num_slots + self.max_queued:
+        if (
+            self.max_queued is not None
+            and len(self._channels) + count > self.engine.target.cache.num_slots + self.max_queued
+        ):
             raise QueueFullError("the server is at capacity (request queue full); retry later")
 
     def abort(self, request_id: str) -> None:
@@ -203,10 +225,14 @@ class EngineWorker:
 
     def stats(self) -> dict:
         e = self.engine
-        return {"running": len(e.running) + len(e.prefilling), "waiting": len(e.waiting),
-                "kv_used_tokens": e.target.cache.used_tokens(),
-                "kv_free_slots": e.target.cache.num_free(), "kv_slots": e.target.cache.num_slots,
-                "drafter_failures": getattr(e, "drafter_failures", 0)}
+        return {
+            "running": len(e.running) + len(e.prefilling),
+            "waiting": len(e.waiting),
+            "kv_used_tokens": e.target.cache.used_tokens(),
+            "kv_free_slots": e.target.cache.num_free(),
+            "kv_slots": e.target.cache.num_slots,
+            "drafter_failures": getattr(e, "drafter_failures", 0),
+        }
 
     # -- the worker thread -------------------------------------------------------------------
     def _send(self, request_id: str, item) -> None:
@@ -240,7 +266,8 @@ class EngineWorker:
             self.warmed.set()
         while not self._stop.is_set():
             if self._drain_deadline is not None and (
-                    not self._channels or time.monotonic() > self._drain_deadline):
+                not self._channels or time.monotonic() > self._drain_deadline
+            ):
                 break
             self._drain_inbox()
             if not self.engine.has_work():

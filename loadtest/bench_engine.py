@@ -9,6 +9,7 @@ target pass, and the adaptive controller's ratios to plain and to the best fixed
 
     python -m loadtest.bench_engine --per-category 2 --max-tokens 96 --drafters ngram
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,11 @@ from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from loadtest.datasets import encode, mixed
 
-DRAFTERS = {"ngram": {"method": "ngram"}, "self": {"method": "self"},
-            "layers15": {"method": "layers", "num_layers": 15}}
+DRAFTERS = {
+    "ngram": {"method": "ngram"},
+    "self": {"method": "self"},
+    "layers15": {"method": "layers", "num_layers": 15},
+}
 
 
 class Tally:
@@ -48,15 +52,20 @@ class Tally:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--drafters", default="ngram", help=f"comma list of {sorted(DRAFTERS)}")
-    ap.add_argument("--controllers", default="heuristic,adaptive",
-                    help="K controllers to run besides fixed K (heuristic, adaptive; '' for none)")
+    ap.add_argument(
+        "--controllers",
+        default="heuristic,adaptive",
+        help="K controllers to run besides fixed K (heuristic, adaptive; '' for none)",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate() rows")
     ap.add_argument("--json", default="loadtest/results/bench_engine.json")
     args = ap.parse_args(argv)
@@ -78,8 +87,14 @@ def main(argv=None):
     for d in ["none"] + drafters:
         for ctl in ["fixed"] + (controllers if d != "none" else []):
             drafter = dict(DRAFTERS.get(d, {"method": "none"}), controller=ctl, k_max=max(ks))
-            cfg = EngineConfig.from_dict({"model": vars(base.model), "max_running": 1,
-                                          "max_model_len": base.max_model_len, "drafter": drafter})
+            cfg = EngineConfig.from_dict(
+                {
+                    "model": vars(base.model),
+                    "max_running": 1,
+                    "max_model_len": base.max_model_len,
+                    "drafter": drafter,
+                }
+            )
             engines[d if ctl == "fixed" else f"{d} {ctl}"] = build_engine(cfg, pair).engine
 
     configs = [("specd plain", "none", 0)]
@@ -94,9 +109,14 @@ def main(argv=None):
             kw = {"prompt_lookup_num_tokens": k} if kind == "hf-pl" else {}
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=args.max_tokens,
-                                     do_sample=False, eos_token_id=tok.eos_token_id,
-                                     pad_token_id=tok.eos_token_id, **kw)
+                out = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=args.max_tokens,
+                    do_sample=False,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.eos_token_id,
+                    **kw,
+                )
             return out.shape[1] - len(ids), time.perf_counter() - t0, 0, 0, 0
         spec = SpecParams() if k is None else SpecParams(enabled=k > 0, k=k)  # None: controller
         t0 = time.perf_counter()
@@ -111,13 +131,17 @@ def main(argv=None):
             r = run(kind, k, ids)
             tallies[name][p.category].add(*r)
             tallies[name]["ALL"].add(*r)
-        print(f"[{i + 1}/{len(prompts)}] {p.id} ({p.category}) {time.perf_counter() - t_start:.0f}s",
-              flush=True)
+        print(
+            f"[{i + 1}/{len(prompts)}] {p.id} ({p.category}) {time.perf_counter() - t_start:.0f}s",
+            flush=True,
+        )
 
     groups = list(dict.fromkeys(p.category for p in prompts)) + ["ALL"]
     width = max(len(n) for n, _, _ in configs) + 2
-    print(f"\nspecd engine benchmark: batch 1, greedy, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"max_tokens {args.max_tokens}, {len(prompts)} prompts ({args.per_category} per category)")
+    print(
+        f"\nspecd engine benchmark: batch 1, greedy, {args.dtype}, {torch.get_num_threads()} threads, "
+        f"max_tokens {args.max_tokens}, {len(prompts)} prompts ({args.per_category} per category)"
+    )
     print("\noutput tok/s")
     print("config".ljust(width) + "".join(g[:10].rjust(11) for g in groups))
     for name, _, _ in configs:
@@ -131,34 +155,55 @@ def main(argv=None):
             row = []
             for g in groups:
                 x = t[g]
-                row.append(f" {x.tps / plain[g].tps:.2f}/{x.accepted / max(x.drafted, 1):.2f}/"
-                           f"{x.tokens / max(x.passes, 1):.1f}".rjust(15))
+                row.append(
+                    f" {x.tps / plain[g].tps:.2f}/{x.accepted / max(x.drafted, 1):.2f}/"
+                    f"{x.tokens / max(x.passes, 1):.1f}".rjust(15)
+                )
             print(name.ljust(width) + "".join(row))
         if "adaptive" in controllers:
             ad = tallies[f"{d} adaptive"]
-            best_k = max(ks, key=lambda k: tallies[f"{d} K={k}"]["ALL"].tps)  # in hindsight, whole set
+            best_k = max(
+                ks, key=lambda k: tallies[f"{d} K={k}"]["ALL"].tps
+            )  # in hindsight, whole set
             best = tallies[f"{d} K={best_k}"]
-            print(f"ratios: {d} adaptive / specd plain = " + ", ".join(
-                f"{g}: {ad[g].tps / plain[g].tps:.2f}" for g in groups)
-                + f"  (target >= 0.97 everywhere; min {min(ad[g].tps / plain[g].tps for g in groups):.2f})")
-            print(f"ratios: {d} adaptive / best fixed K over the whole set (K={best_k}) = " + ", ".join(
-                f"{g}: {ad[g].tps / best[g].tps:.2f}" for g in groups) + "  (target ALL >= 1.00)")
+            print(
+                f"ratios: {d} adaptive / specd plain = "
+                + ", ".join(f"{g}: {ad[g].tps / plain[g].tps:.2f}" for g in groups)
+                + f"  (target >= 0.97 everywhere; min {min(ad[g].tps / plain[g].tps for g in groups):.2f})"
+            )
+            print(
+                f"ratios: {d} adaptive / best fixed K over the whole set (K={best_k}) = "
+                + ", ".join(f"{g}: {ad[g].tps / best[g].tps:.2f}" for g in groups)
+                + "  (target ALL >= 1.00)"
+            )
             if "heuristic" in controllers:
                 he = tallies[f"{d} heuristic"]
-                print(f"ratios: {d} adaptive / heuristic +2/-1 = " + ", ".join(
-                    f"{g}: {ad[g].tps / he[g].tps:.2f}" for g in groups))
+                print(
+                    f"ratios: {d} adaptive / heuristic +2/-1 = "
+                    + ", ".join(f"{g}: {ad[g].tps / he[g].tps:.2f}" for g in groups)
+                )
     if not args.no_hf:
         hf = tallies["hf generate"]
-        print("\nratios: specd plain / hf generate = " + ", ".join(
-            f"{g}: {plain[g].tps / hf[g].tps:.2f}" for g in groups))
+        print(
+            "\nratios: specd plain / hf generate = "
+            + ", ".join(f"{g}: {plain[g].tps / hf[g].tps:.2f}" for g in groups)
+        )
         for d in drafters:
-            best = {g: max((tallies[f'{d} K={k}'][g].tps, k) for k in ks) for g in groups}
-            print(f"ratios: best fixed-K {d} / hf prompt-lookup = " + ", ".join(
-                f"{g}: {best[g][0] / tallies['hf prompt-lookup'][g].tps:.2f} (K={best[g][1]})"
-                for g in groups))
-    out = {"args": vars(args), "threads": torch.get_num_threads(),
-           "results": {n: {g: vars(t) | {"tok_s": t.tps} for g, t in v.items()}
-                       for n, v in tallies.items()}}
+            best = {g: max((tallies[f"{d} K={k}"][g].tps, k) for k in ks) for g in groups}
+            print(
+                f"ratios: best fixed-K {d} / hf prompt-lookup = "
+                + ", ".join(
+                    f"{g}: {best[g][0] / tallies['hf prompt-lookup'][g].tps:.2f} (K={best[g][1]})"
+                    for g in groups
+                )
+            )
+    out = {
+        "args": vars(args),
+        "threads": torch.get_num_threads(),
+        "results": {
+            n: {g: vars(t) | {"tok_s": t.tps} for g, t in v.items()} for n, v in tallies.items()
+        },
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json}")

@@ -20,6 +20,7 @@ Servers:
   ``loadtest/envs/setup_llamacpp.sh`` (never a dependency of specd);
 * ``hf``: ``transformers serve <the safetensors folder specd prepared>`` (plain decoding, bf16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def mix_file(path: Path) -> Path:
     with path.open("w") as f:
         for it in items:
             d = {"id": it.id, "category": it.category}
-            d.update({"prompt": it.prompt} if it.prompt is not None else
-                     {"messages": list(it.messages)})
+            d.update(
+                {"prompt": it.prompt} if it.prompt is not None else {"messages": list(it.messages)}
+            )
             f.write(json.dumps(d) + "\n")
     return path
 
@@ -101,21 +103,66 @@ def server_command(name: str, port: int, args) -> tuple[list[str], str, dict]:
     """(argv, readiness URL path, extra env) of one server."""
     cfg = EngineConfig.from_yaml(args.config)
     if name == "specd":
-        return ([sys.executable, "-m", "server.cli", "serve", "--config", args.config,
-                 "--host", "127.0.0.1", "--port", str(port)], "/ready", {})
+        return (
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--config",
+                args.config,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            "/ready",
+            {},
+        )
     if name == "llamacpp":
         gguf = resolve_spec(cfg.model.spec).location
-        return ([str(Path(args.llamacpp_venv) / "bin" / "python"), "-m", "llama_cpp.server",
-                 "--model", gguf, "--n_threads", "2", "--n_threads_batch", "2",
-                 "--interrupt_requests", "False", "--n_ctx", "2048",
-                 "--host", "127.0.0.1", "--port", str(port)], "/v1/models", {})
+        return (
+            [
+                str(Path(args.llamacpp_venv) / "bin" / "python"),
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                gguf,
+                "--n_threads",
+                "2",
+                "--n_threads_batch",
+                "2",
+                "--interrupt_requests",
+                "False",
+                "--n_ctx",
+                "2048",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            "/v1/models",
+            {},
+        )
     if name == "hf":
         folder = prepare(cfg.model.spec, cfg.cache_dir, progress=False)
         cache = Path(args.out) / "hf_hub_cache"  # it lists this (empty) Hub cache on /v1/models
         cache.mkdir(parents=True, exist_ok=True)
-        return ([str(Path(sys.executable).parent / "transformers"), "serve", folder,
-                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16"],
-                "/health", {"HF_HUB_CACHE": str(cache.resolve())})
+        return (
+            [
+                str(Path(sys.executable).parent / "transformers"),
+                "serve",
+                folder,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "bfloat16",
+            ],
+            "/health",
+            {"HF_HUB_CACHE": str(cache.resolve())},
+        )
     raise ValueError(f"unknown server {name!r} (specd, llamacpp, hf)")
 
 
@@ -124,8 +171,13 @@ def started(name: str, args):
     port = free_port()
     argv, ready_path, env = server_command(name, port, args)
     log = open(Path(args.out) / f"{name}.log", "w")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", **env))
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
+    )
     sampler = RssSampler(proc.pid)
     sampler.start()
     t0 = time.monotonic()
@@ -159,8 +211,9 @@ def model_id(base: str, name: str, args) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--servers", default="specd,llamacpp,hf")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -168,9 +221,13 @@ def main(argv=None):
     ap.add_argument("--config", default="configs/cpu-compiled.yaml", help="specd's config")
     ap.add_argument("--llamacpp-venv", default=str(LLAMACPP_VENV))
     ap.add_argument("--start-timeout", type=float, default=1200)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run the servers this many times, the order reversed every other round "
-                         "(A B C, C B A, ...); the table shows medians, ratios per round")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the servers this many times, the order reversed every other round "
+        "(A B C, C B A, ...); the table shows medians, ratios per round",
+    )
     ap.add_argument("--out", default="loadtest/results/bench_servers")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -179,34 +236,67 @@ def main(argv=None):
     data = mix_file(out / "mix.jsonl")
     rows = []
     names = args.servers.split(",")
-    order = [(rnd, name) for rnd in range(args.rounds)
-             for name in (names if rnd % 2 == 0 else names[::-1])]
+    order = [
+        (rnd, name)
+        for rnd in range(args.rounds)
+        for name in (names if rnd % 2 == 0 else names[::-1])
+    ]
     for rnd, name in order:
         with started(name, args) as (base, sampler, ready_s):
             model = model_id(base, name, args)
-            largs = cli.parse_args(["--base-url", base, "--model", model,
-                                    "--workload", f"jsonl:{data}", "--max-tokens",
-                                    str(args.max_tokens), "--concurrency", args.concurrency,
-                                    "--no-progress", "--no-plots"]
-                                   + (["--requests", str(args.requests)] if args.requests else []))
+            largs = cli.parse_args(
+                [
+                    "--base-url",
+                    base,
+                    "--model",
+                    model,
+                    "--workload",
+                    f"jsonl:{data}",
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--concurrency",
+                    args.concurrency,
+                    "--no-progress",
+                    "--no-plots",
+                ]
+                + (["--requests", str(args.requests)] if args.requests else [])
+            )
             res = cli.run(largs)
             peak = sampler.peak
         for r in res["runs"]:
             s = r["summary"]
-            rows.append({"server": name, "round": rnd, "concurrency": r["concurrency"], "ready_s": ready_s,
-                         "output_tok_s": s["output_tok_s"], "ttft_p50_ms": s["ttft"]["p50_ms"],
-                         "itl_p95_ms": s["itl_token"]["p95_ms"], "errors": s.get("errors", 0),
-                         "requests": s.get("requests"), "peak_rss_mib": peak,
-                         "server_stats": r.get("server")})
+            rows.append(
+                {
+                    "server": name,
+                    "round": rnd,
+                    "concurrency": r["concurrency"],
+                    "ready_s": ready_s,
+                    "output_tok_s": s["output_tok_s"],
+                    "ttft_p50_ms": s["ttft"]["p50_ms"],
+                    "itl_p95_ms": s["itl_token"]["p95_ms"],
+                    "errors": s.get("errors", 0),
+                    "requests": s.get("requests"),
+                    "peak_rss_mib": peak,
+                    "server_stats": r.get("server"),
+                }
+            )
         suffix = f"-{rnd}" if args.rounds > 1 else ""
         (out / f"{name}{suffix}.json").write_text(json.dumps(res, indent=1, default=str))
 
-    print(f"\nServers on this machine ({os.cpu_count()} cores): 16 MT-Bench chats + 8 HumanEval "
-          f"completions, greedy, max_tokens {args.max_tokens}, streamed"
-          + (f"; median of {args.rounds} rounds (order reversed every other round), peak RSS "
-             f"the largest" if args.rounds > 1 else ""))
-    print(f"{'server':<10}{'clients':>8}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p95 ms':>12}"
-          f"{'peak RSS MiB':>14}{'errors':>8}{'ready s':>9}")
+    print(
+        f"\nServers on this machine ({os.cpu_count()} cores): 16 MT-Bench chats + 8 HumanEval "
+        f"completions, greedy, max_tokens {args.max_tokens}, streamed"
+        + (
+            f"; median of {args.rounds} rounds (order reversed every other round), peak RSS "
+            f"the largest"
+            if args.rounds > 1
+            else ""
+        )
+    )
+    print(
+        f"{'server':<10}{'clients':>8}{'out tok/s':>11}{'TTFT p50 ms':>13}{'ITL p95 ms':>12}"
+        f"{'peak RSS MiB':>14}{'errors':>8}{'ready s':>9}"
+    )
     levels = sorted({r["concurrency"] for r in rows})
     med = {}
     for name in names:
@@ -214,33 +304,53 @@ def main(argv=None):
             rs = [r for r in rows if r["server"] == name and r["concurrency"] == c]
             if not rs:
                 continue
-            m = {k: statistics.median(r[k] for r in rs)
-                 for k in ("output_tok_s", "ttft_p50_ms", "itl_p95_ms", "ready_s")}
-            m.update(peak_rss_mib=max(r["peak_rss_mib"] for r in rs),
-                     errors=sum(r["errors"] for r in rs))
+            m = {
+                k: statistics.median(r[k] for r in rs)
+                for k in ("output_tok_s", "ttft_p50_ms", "itl_p95_ms", "ready_s")
+            }
+            m.update(
+                peak_rss_mib=max(r["peak_rss_mib"] for r in rs), errors=sum(r["errors"] for r in rs)
+            )
             med[name, c] = m
-            print(f"{name:<10}{c:>8}{m['output_tok_s']:>11.1f}{m['ttft_p50_ms']:>13.0f}"
-                  f"{m['itl_p95_ms']:>12.1f}{m['peak_rss_mib']:>14.0f}{m['errors']:>8}"
-                  f"{m['ready_s']:>9.0f}")
+            print(
+                f"{name:<10}{c:>8}{m['output_tok_s']:>11.1f}{m['ttft_p50_ms']:>13.0f}"
+                f"{m['itl_p95_ms']:>12.1f}{m['peak_rss_mib']:>14.0f}{m['errors']:>8}"
+                f"{m['ready_s']:>9.0f}"
+            )
     for c in levels:
         for other in ("llamacpp", "hf"):
             if ("specd", c) not in med or (other, c) not in med:
                 continue
-            per_round = [s["output_tok_s"] / o["output_tok_s"]
-                         for s in rows if s["server"] == "specd" and s["concurrency"] == c
-                         for o in rows if o["server"] == other and o["concurrency"] == c
-                         and o["round"] == s["round"] and o["output_tok_s"]]
-            line = (f"c={c}: specd / {other} output tok/s = "
-                    f"{med['specd', c]['output_tok_s'] / med[other, c]['output_tok_s']:.2f}")
+            per_round = [
+                s["output_tok_s"] / o["output_tok_s"]
+                for s in rows
+                if s["server"] == "specd" and s["concurrency"] == c
+                for o in rows
+                if o["server"] == other
+                and o["concurrency"] == c
+                and o["round"] == s["round"]
+                and o["output_tok_s"]
+            ]
+            line = (
+                f"c={c}: specd / {other} output tok/s = "
+                f"{med['specd', c]['output_tok_s'] / med[other, c]['output_tok_s']:.2f}"
+            )
             if len(per_round) > 1:
                 line += " (per round " + ", ".join(f"{x:.2f}" for x in per_round) + ")"
             print(line)
     for c in levels:
-        st = [r["server_stats"] for r in rows if r["server"] == "specd" and r["concurrency"] == c
-              and r.get("server_stats")]
+        st = [
+            r["server_stats"]
+            for r in rows
+            if r["server"] == "specd" and r["concurrency"] == c and r.get("server_stats")
+        ]
         if st:
-            print(f"specd c={c}: acceptance " + ", ".join(f"{x['acceptance']:.2f}" for x in st)
-                  + "; tokens per target pass " + ", ".join(f"{x['tokens_per_pass']:.2f}" for x in st))
+            print(
+                f"specd c={c}: acceptance "
+                + ", ".join(f"{x['acceptance']:.2f}" for x in st)
+                + "; tokens per target pass "
+                + ", ".join(f"{x['tokens_per_pass']:.2f}" for x in st)
+            )
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
 
 

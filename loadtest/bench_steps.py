@@ -9,6 +9,7 @@ Both paths run on the same runner and cache in one process, interleaved (eager, 
     python -m loadtest.bench_steps --random-config llama-8b --draft-config llama-1b --device cuda \
         --dtype bfloat16 --mode reduce-overhead           # real-shape random-weight models (GPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,36 @@ from engine.model_runner import ModelRunner
 
 # real model shapes, random weights (no download): for GPU figures
 SHAPES = {
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152),
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    ),
 }
 
 
 def random_model(name: str, dtype: torch.dtype, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(max_position_embeddings=8192, rope_theta=500000.0, **SHAPES[name])
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
@@ -63,23 +83,31 @@ def time_forward(runner: ModelRunner, batch: int, q: int, reps: int) -> list[flo
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default=None)
     ap.add_argument("--random-config", default=None, help=f"target shape, one of {sorted(SHAPES)}")
     ap.add_argument("--draft-config", default=None, help="draft shape (random weights)")
-    ap.add_argument("--draft-layers", type=int, default=8,
-                    help="without --draft-config: the target's first N layers as the draft")
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=8,
+        help="without --draft-config: the target's first N layers as the draft",
+    )
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--k", type=int, default=4, help="verify = K+1 tokens")
     ap.add_argument("--context", type=int, default=256, help="tokens already in every row's cache")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="eager/compiled alternations")
     ap.add_argument("--mode", default="default", help="torch.compile mode")
-    ap.add_argument("--native-q4", action="store_true",
-                    help="GGUF Q4_1 layers kept 4-bit (model.native_q4) in every runner")
+    ap.add_argument(
+        "--native-q4",
+        action="store_true",
+        help="GGUF Q4_1 layers kept 4-bit (model.native_q4) in every runner",
+    )
     ap.add_argument("--json", default="loadtest/results/bench_steps.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -95,17 +123,21 @@ def main(argv=None):
         target, _ = load_model(cfg.model.spec, args.dtype, device, cfg.cache_dir)
     runners = {"target": ModelRunner(target, slots, max_len)}
     if args.draft_config:
-        runners["draft"] = ModelRunner(random_model(args.draft_config, dtype, device), slots,
-                                       max_len, name="draft")
+        runners["draft"] = ModelRunner(
+            random_model(args.draft_config, dtype, device), slots, max_len, name="draft"
+        )
     elif args.draft_layers:
         runners[f"draft ({args.draft_layers} layers)"] = ModelRunner(
-            target, slots, max_len, args.draft_layers, name="draft")
+            target, slots, max_len, args.draft_layers, name="draft"
+        )
 
     if args.native_q4:
         from engine.quant import use_native_q4
+
         use_native_q4(cfg.model.spec, *runners.values())
-    ccfg = CompileConfig(enabled=True, mode=args.mode, batch_buckets=batches,
-                         q_buckets=sorted({1, args.k + 1}))
+    ccfg = CompileConfig(
+        enabled=True, mode=args.mode, batch_buckets=batches, q_buckets=sorted({1, args.k + 1})
+    )
     rows = []
     for name, runner in runners.items():
         dev = runner.device
@@ -128,24 +160,41 @@ def main(argv=None):
                         times[mode] += time_forward(runner, b, q, args.reps)
                 runner.fast = None
                 e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
-                rows.append({"model": name, "batch": b, "q": q, "eager_ms": e * 1e3,
-                             "compiled_ms": c * 1e3, "speedup": e / c, "compile_s": compile_s})
-                print(f"  batch {b} q {q}: eager {e * 1e3:.1f} ms, compiled {c * 1e3:.1f} ms",
-                      flush=True)
+                rows.append(
+                    {
+                        "model": name,
+                        "batch": b,
+                        "q": q,
+                        "eager_ms": e * 1e3,
+                        "compiled_ms": c * 1e3,
+                        "speedup": e / c,
+                        "compile_s": compile_s,
+                    }
+                )
+                print(
+                    f"  batch {b} q {q}: eager {e * 1e3:.1f} ms, compiled {c * 1e3:.1f} ms",
+                    flush=True,
+                )
 
     desc = (args.random_config or cfg.model.name) + f", {args.dtype}, {device}"
     if args.native_q4:
         desc += ", Q4_1 layers 4-bit"
     if device == "cpu":
         desc += f", {torch.get_num_threads()} threads"
-    print(f"\nPer-step latency ({desc}; {args.context} tokens in cache; median of "
-          f"{args.rounds}x{args.reps}; torch.compile mode {args.mode})")
-    print(f"{'model':<22}{'batch':>6}{'tokens/row':>11}{'eager ms':>10}{'compiled ms':>12}"
-          f"{'speedup':>9}")
+    print(
+        f"\nPer-step latency ({desc}; {args.context} tokens in cache; median of "
+        f"{args.rounds}x{args.reps}; torch.compile mode {args.mode})"
+    )
+    print(
+        f"{'model':<22}{'batch':>6}{'tokens/row':>11}{'eager ms':>10}{'compiled ms':>12}"
+        f"{'speedup':>9}"
+    )
     for r in rows:
         kind = "decode 1" if r["q"] == 1 else f"verify {r['q']}"
-        print(f"{r['model']:<22}{r['batch']:>6}{kind:>11}{r['eager_ms']:>10.1f}"
-              f"{r['compiled_ms']:>12.1f}{r['speedup']:>8.2f}x")
+        print(
+            f"{r['model']:<22}{r['batch']:>6}{kind:>11}{r['eager_ms']:>10.1f}"
+            f"{r['compiled_ms']:>12.1f}{r['speedup']:>8.2f}x"
+        )
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

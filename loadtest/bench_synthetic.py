@@ -23,6 +23,7 @@ draft catch-up feeds, sampling and bookkeeping.
     # CPU: a SmolLM2-shaped random target, its first 4 layers as the draft
     python -m loadtest.bench_synthetic --random-config smollm2-135m --draft-layers 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def synthetic_accept(alpha: float, gen: torch.Generator):
     """An acceptance rule with the signature of :func:`engine.rejection.rejection_sample` that
     accepts each drafted token with probability ``alpha``; the next token is the target's argmax
     at the first rejected position (or the bonus position)."""
+
     def accept(target_probs, draft_tokens, num_draft, draft_probs, greedy, uniforms, noise):
         batch, k = draft_tokens.shape
         dev = target_probs.device
@@ -55,6 +57,7 @@ def synthetic_accept(alpha: float, gen: torch.Generator):
         num_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [batch] leading accepted drafts
         rows = torch.arange(batch, device=dev)
         return num_acc, target_probs[rows, num_acc].argmax(dim=-1)  # [batch], [batch]
+
     return accept
 
 
@@ -63,16 +66,24 @@ def bound(alpha: float, k: int, c: float) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--random-config", default="smollm2-135m", help=f"one of {sorted(SHAPES)}")
     ap.add_argument("--draft-config", default=None, help="draft model shape (random weights)")
-    ap.add_argument("--draft-layers", type=int, default=4,
-                    help="without --draft-config: the target's first N layers as the draft")
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=4,
+        help="without --draft-config: the target's first N layers as the draft",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--compile", default="none",
-                    help="none, or a torch.compile mode for the fast path (default, reduce-overhead)")
+    ap.add_argument(
+        "--compile",
+        default="none",
+        help="none, or a torch.compile mode for the fast path (default, reduce-overhead)",
+    )
     ap.add_argument("--alphas", default="0.6,0.8,0.9")
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--batch", type=int, default=1)
@@ -91,18 +102,28 @@ def main(argv=None):
     target_model = random_model(args.random_config, dtype, args.device)
     target = ModelRunner(target_model, B, max_len)
     if args.draft_config:
-        draft_runner = ModelRunner(random_model(args.draft_config, dtype, args.device), B, max_len,
-                                   name="draft")
+        draft_runner = ModelRunner(
+            random_model(args.draft_config, dtype, args.device), B, max_len, name="draft"
+        )
         draft_desc = f"{args.draft_config} (random weights)"
     else:
         draft_runner = ModelRunner(target_model, B, max_len, args.draft_layers, name="draft")
         draft_desc = f"the target's first {args.draft_layers} layers"
     vocab = min(target.vocab_size, draft_runner.vocab_size)
-    engine = SpecEngine(target, ModelDrafter(draft_runner, vocab), eos_token_ids=[],
-                        controller=FixedK(0), k_max=max(ks))
+    engine = SpecEngine(
+        target,
+        ModelDrafter(draft_runner, vocab),
+        eos_token_ids=[],
+        controller=FixedK(0),
+        k_max=max(ks),
+    )
     if args.compile != "none":
-        ccfg = CompileConfig(enabled=True, mode=args.compile, batch_buckets=[B],
-                             q_buckets=sorted({1, 2} | {k + 1 for k in ks}))
+        ccfg = CompileConfig(
+            enabled=True,
+            mode=args.compile,
+            batch_buckets=[B],
+            q_buckets=sorted({1, 2} | {k + 1 for k in ks}),
+        )
         for r in engine.runners():
             attach(r, ccfg, max(ks))
             warm_up(r)
@@ -113,8 +134,10 @@ def main(argv=None):
             r.cache.allocate(s)
             r.forward([[1] * args.prompt_tokens], [s])
             r.cache.commit(s, args.prompt_tokens)
-    t_ms, d_ms = (statistics.median(time_forward(r, B, 1, 22)[2:]) * 1e3  # first 2: warm-up
-                  for r in (target, draft_runner))
+    t_ms, d_ms = (
+        statistics.median(time_forward(r, B, 1, 22)[2:]) * 1e3  # first 2: warm-up
+        for r in (target, draft_runner)
+    )
     for r in engine.runners():
         for s in range(B):
             r.cache.free(s)
@@ -122,13 +145,16 @@ def main(argv=None):
     print(f"target decode step {t_ms:.2f} ms, draft step {d_ms:.2f} ms: c = {c:.3f}", flush=True)
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(B)]
+    prompts = [
+        torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(B)
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     gen = torch.Generator(device=dev).manual_seed(2)
 
     def run(spec: SpecParams, alpha: float | None) -> tuple[float, float]:
         """tok/s over the whole generate (prefill included: short prompts) and tokens per pass."""
         from engine.rejection import rejection_sample
+
         engine.accept = synthetic_accept(alpha, gen) if alpha is not None else rejection_sample
         sync(dev)
         t = time.perf_counter()
@@ -144,7 +170,11 @@ def main(argv=None):
         for k in ks:
             plain, spec, tpp = [], [], []
             for i in range(args.repeats):  # ABBA
-                order = [("plain", None), ("spec", alpha)] if i % 2 == 0 else [("spec", alpha), ("plain", None)]
+                order = (
+                    [("plain", None), ("spec", alpha)]
+                    if i % 2 == 0
+                    else [("spec", alpha), ("plain", None)]
+                )
                 for name, a in order:
                     if name == "plain":
                         plain.append(run(SpecParams(enabled=False), None)[0])
@@ -153,31 +183,56 @@ def main(argv=None):
                         spec.append(tps)
                         tpp.append(per_pass)
             p, s_ = statistics.median(plain), statistics.median(spec)
-            row = {"alpha": alpha, "k": k, "plain_tok_s": p, "spec_tok_s": s_,
-                   "tokens_per_pass": statistics.mean(tpp),
-                   "expected_tokens": (1 - alpha ** (k + 1)) / (1 - alpha),
-                   "speedup": s_ / p, "bound": bound(alpha, k, c)}
+            row = {
+                "alpha": alpha,
+                "k": k,
+                "plain_tok_s": p,
+                "spec_tok_s": s_,
+                "tokens_per_pass": statistics.mean(tpp),
+                "expected_tokens": (1 - alpha ** (k + 1)) / (1 - alpha),
+                "speedup": s_ / p,
+                "bound": bound(alpha, k, c),
+            }
             row["of_bound"] = row["speedup"] / row["bound"]
             rows.append(row)
-            print(f"alpha {alpha:.1f} K {k}: plain {p:.1f} tok/s, spec {s_:.1f} tok/s, "
-                  f"speedup {row['speedup']:.2f}x, bound {row['bound']:.2f}x", flush=True)
+            print(
+                f"alpha {alpha:.1f} K {k}: plain {p:.1f} tok/s, spec {s_:.1f} tok/s, "
+                f"speedup {row['speedup']:.2f}x, bound {row['bound']:.2f}x",
+                flush=True,
+            )
 
     desc = f"{args.random_config} target (random weights), draft {draft_desc}, {args.dtype}, {dev}"
     if dev.type == "cpu":
         desc += f", {torch.get_num_threads()} threads"
-    print(f"\nSynthetic acceptance ({desc}; batch {B}, {args.max_tokens} tokens, compile "
-          f"{args.compile}; c = {c:.3f}; median of {args.repeats})")
-    print(f"{'alpha':>6}{'K':>4}{'plain tok/s':>13}{'spec tok/s':>12}{'tok/pass':>10}{'E':>7}"
-          f"{'speedup':>9}{'bound':>8}{'of bound':>10}")
+    print(
+        f"\nSynthetic acceptance ({desc}; batch {B}, {args.max_tokens} tokens, compile "
+        f"{args.compile}; c = {c:.3f}; median of {args.repeats})"
+    )
+    print(
+        f"{'alpha':>6}{'K':>4}{'plain tok/s':>13}{'spec tok/s':>12}{'tok/pass':>10}{'E':>7}"
+        f"{'speedup':>9}{'bound':>8}{'of bound':>10}"
+    )
     for r in rows:
-        print(f"{r['alpha']:>6.1f}{r['k']:>4}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}"
-              f"{r['tokens_per_pass']:>10.2f}{r['expected_tokens']:>7.2f}{r['speedup']:>8.2f}x"
-              f"{r['bound']:>7.2f}x{r['of_bound']:>10.2f}")
+        print(
+            f"{r['alpha']:>6.1f}{r['k']:>4}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}"
+            f"{r['tokens_per_pass']:>10.2f}{r['expected_tokens']:>7.2f}{r['speedup']:>8.2f}x"
+            f"{r['bound']:>7.2f}x{r['of_bound']:>10.2f}"
+        )
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": str(dev), "c": c, "target_ms": t_ms,
-                       "draft_ms": d_ms, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "device": str(dev),
+                    "c": c,
+                    "target_ms": t_ms,
+                    "draft_ms": d_ms,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

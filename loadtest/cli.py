@@ -15,6 +15,7 @@ point runs every mode once per repeat, the order alternating (A B, B A, ...) so 
 hits both, and the A/B table gives the first mode's ratio to each other mode, per repeat, with a
 95% t interval over the repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,24 @@ def spec_option(mode: str) -> dict | None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    ap.add_argument("--spawn-specd", metavar="CONFIG",
-                    help="start `specd serve --config CONFIG` on a free port for the run")
+    ap.add_argument(
+        "--spawn-specd",
+        metavar="CONFIG",
+        help="start `specd serve --config CONFIG` on a free port for the run",
+    )
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"))
     ap.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    ap.add_argument("--workload", default="mtbench,humaneval",
-                    help="comma list of mtbench, mtbench:2 (both turns), humaneval, jsonl:PATH")
+    ap.add_argument(
+        "--workload",
+        default="mtbench,humaneval",
+        help="comma list of mtbench, mtbench:2 (both turns), humaneval, jsonl:PATH",
+    )
     ap.add_argument("--per-category", type=int, help="first N items of each category")
     ap.add_argument("--endpoint", default="auto", choices=("auto", "chat", "completions"))
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -64,8 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--concurrency", default="1", help="closed loop: comma list of client counts")
     load.add_argument("--rate", help="open loop: comma list of Poisson request rates (1/s)")
-    ap.add_argument("--requests", type=int,
-                    help="requests per run (default: one per workload item; a conversation counts once)")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        help="requests per run (default: one per workload item; a conversation counts once)",
+    )
     ap.add_argument("--duration", type=float, default=600.0, help="time bound per run, seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     ap.add_argument("--modes", default="default", help="comma list: default|on, off, kN")
@@ -89,29 +102,39 @@ def load_points(args) -> list[tuple[str, float]]:
     return [("closed", int(x)) for x in args.concurrency.split(",")]
 
 
-async def run_once(args, items, model: str, shape: str, value: float, mode: str,
-                   n: int, progress_cb) -> tuple[list, float]:
+async def run_once(
+    args, items, model: str, shape: str, value: float, mode: str, n: int, progress_cb
+) -> tuple[list, float]:
     opts = Options(model, args.max_tokens, args.temperature, args.seed, args.timeout)
     spec = spec_option(mode)
-    async with openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
-                                  timeout=args.timeout, http_client=httpx.AsyncClient(
-                                      limits=httpx.Limits(max_connections=1024))) as client:
+    async with openai.AsyncOpenAI(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        max_retries=0,
+        timeout=args.timeout,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=1024)),
+    ) as client:
         t_run = time.perf_counter()
 
         async def send(item, sink):
             await run_item(client, item, opts, spec, t_run, sink)
+
         if shape == "closed":
             return await closed_loop(items, send, int(value), n, args.duration, on_done=progress_cb)
-        return await open_loop(items, send, value, n, args.duration, seed=args.seed or 0,
-                               on_done=progress_cb)
+        return await open_loop(
+            items, send, value, n, args.duration, seed=args.seed or 0, on_done=progress_cb
+        )
 
 
 def ab_rows(runs: list[dict], modes: list[str]) -> list[dict]:
     rows = []
     for load in dict.fromkeys(report.point_label(r) for r in runs):
-        pick = {(r["mode"], r["repeat"]): r["summary"] for r in runs if report.point_label(r) == load}
+        pick = {
+            (r["mode"], r["repeat"]): r["summary"] for r in runs if report.point_label(r) == load
+        }
         reps = sorted({rep for _, rep in pick})
         for b in modes[1:]:
+
             def ratios(f):
                 out = []
                 for rep in reps:
@@ -119,10 +142,17 @@ def ab_rows(runs: list[dict], modes: list[str]) -> list[dict]:
                     if x is not None and y:
                         out.append(x / y)
                 return stats.mean_ci(out)
-            rows.append({"load": load, "a": modes[0], "b": b,
-                         "tok_s_ratio": ratios(lambda s: s["output_tok_s"]),
-                         "itl_p95_ratio": ratios(lambda s: s["itl_token"]["p95_ms"]),
-                         "ttft_p50_ratio": ratios(lambda s: s["ttft"]["p50_ms"])})
+
+            rows.append(
+                {
+                    "load": load,
+                    "a": modes[0],
+                    "b": b,
+                    "tok_s_ratio": ratios(lambda s: s["output_tok_s"]),
+                    "itl_p95_ratio": ratios(lambda s: s["itl_token"]["p95_ms"]),
+                    "ttft_p50_ratio": ratios(lambda s: s["ttft"]["p50_ms"]),
+                }
+            )
     return rows
 
 
@@ -130,35 +160,61 @@ def run(args) -> dict:
     items = workloads.build(args.workload.split(","), args.per_category, args.endpoint)
     if not items:
         raise SystemExit("the workload has no items")
-    model = args.model or openai.OpenAI(base_url=args.base_url, api_key=args.api_key).models.list().data[0].id
+    model = (
+        args.model
+        or openai.OpenAI(base_url=args.base_url, api_key=args.api_key).models.list().data[0].id
+    )
     modes = args.modes.split(",")
     points = load_points(args)
     n = args.requests or len(items)
     console = Console(stderr=True)
-    results = {"meta": {"base_url": args.base_url, "model": model, "args": vars(args),
-                        "items": len(items), "requests_per_run": n,
-                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "runs": []}
+    results = {
+        "meta": {
+            "base_url": args.base_url,
+            "model": model,
+            "args": vars(args),
+            "items": len(items),
+            "requests_per_run": n,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "runs": [],
+    }
     if args.warmup:
         asyncio.run(run_once(args, items, model, "closed", 1, modes[0], args.warmup, lambda: None))
     total = len(points) * args.repeat * len(modes) * n
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, disable=args.no_progress) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.no_progress,
+    ) as bar:
         task = bar.add_task("requests", total=total)
         for shape, value in points:
             for rep in range(args.repeat):
-                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                for mode in modes if rep % 2 == 0 else modes[::-1]:
                     label = f"c={value}" if shape == "closed" else f"{value}/s"
                     bar.update(task, description=f"{label} {mode} #{rep}")
                     before = stats.scrape(args.base_url, args.api_key)
-                    records, wall = asyncio.run(run_once(args, items, model, shape, value, mode, n,
-                                                         lambda: bar.advance(task)))
+                    records, wall = asyncio.run(
+                        run_once(
+                            args, items, model, shape, value, mode, n, lambda: bar.advance(task)
+                        )
+                    )
                     after = stats.scrape(args.base_url, args.api_key)
-                    results["runs"].append({
-                        "shape": shape, "concurrency": value if shape == "closed" else None,
-                        "rate": value if shape == "open" else None, "mode": mode, "repeat": rep,
-                        "summary": stats.summarize(records, wall),
-                        "server": stats.server_delta(before, after),
-                        "requests": [asdict(r) for r in records]})
+                    results["runs"].append(
+                        {
+                            "shape": shape,
+                            "concurrency": value if shape == "closed" else None,
+                            "rate": value if shape == "open" else None,
+                            "mode": mode,
+                            "repeat": rep,
+                            "summary": stats.summarize(records, wall),
+                            "server": stats.server_delta(before, after),
+                            "requests": [asdict(r) for r in records],
+                        }
+                    )
     if len(modes) > 1:
         results["ab"] = ab_rows(results["runs"], modes)
     return results
@@ -171,11 +227,13 @@ def main(argv=None) -> None:
         pid = None
         if args.spawn_specd:
             from loadtest.server_proc import specd_server
+
             max_c = max([int(x) for x in args.concurrency.split(",")] if not args.rate else [16])
             args.base_url, pid = stack.enter_context(specd_server(Path(args.spawn_specd), max_c))
         results = run(args)
         if pid is not None:
             from loadtest.server_proc import peak_rss_mib
+
             results["meta"]["server_peak_rss_mib"] = peak_rss_mib(pid)
     if not args.no_plots:
         results["meta"]["plots"] = [str(p) for p in report.plots(results, out)]

@@ -10,6 +10,7 @@ tokens after a gap g counts n times g/n. n comes from the usage total split over
 proportion to their text length (at least 1 per chunk): exact when every chunk is one token, an
 estimate otherwise, and the same for every server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,11 +66,26 @@ def tokens_per_chunk(lengths: list[int], total: int) -> list[int]:
     return out
 
 
-async def _stream(client: openai.AsyncOpenAI, opts: Options, rec: Record, *, prompt=None,
-                  messages=None, max_tokens: int, extra: dict, t_run: float) -> None:
-    common = dict(model=opts.model, stream=True, max_tokens=max_tokens, temperature=opts.temperature,
-                  stream_options={"include_usage": True}, extra_body=extra or None,
-                  timeout=opts.timeout)
+async def _stream(
+    client: openai.AsyncOpenAI,
+    opts: Options,
+    rec: Record,
+    *,
+    prompt=None,
+    messages=None,
+    max_tokens: int,
+    extra: dict,
+    t_run: float,
+) -> None:
+    common = dict(
+        model=opts.model,
+        stream=True,
+        max_tokens=max_tokens,
+        temperature=opts.temperature,
+        stream_options={"include_usage": True},
+        extra_body=extra or None,
+        timeout=opts.timeout,
+    )
     if opts.seed is not None:
         common["seed"] = opts.seed
     t0 = time.perf_counter()
@@ -120,8 +136,14 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
-async def run_item(client: openai.AsyncOpenAI, item, opts: Options, spec: dict | None,
-                   t_run: float, records: list[Record]) -> None:
+async def run_item(
+    client: openai.AsyncOpenAI,
+    item,
+    opts: Options,
+    spec: dict | None,
+    t_run: float,
+    records: list[Record],
+) -> None:
     """Send one workload item (every turn of a conversation); appends one record per turn to
     ``records`` as it starts, so a request cancelled by the run's time limit is still counted."""
     extra = {"speculation": spec} if spec is not None else {}
@@ -132,11 +154,21 @@ async def run_item(client: openai.AsyncOpenAI, item, opts: Options, spec: dict |
         prev, rec = rec, Record(item.id, item.category, turn)
         records.append(rec)
         if turn:
-            messages += [{"role": "assistant", "content": prev.text},
-                         {"role": "user", "content": item.followups[turn - 1]}]
+            messages += [
+                {"role": "assistant", "content": prev.text},
+                {"role": "user", "content": item.followups[turn - 1]},
+            ]
         try:
-            await _stream(client, opts, rec, prompt=item.prompt, messages=messages,
-                          max_tokens=max_tokens, extra=extra, t_run=t_run)
+            await _stream(
+                client,
+                opts,
+                rec,
+                prompt=item.prompt,
+                messages=messages,
+                max_tokens=max_tokens,
+                extra=extra,
+                t_run=t_run,
+            )
         except asyncio.CancelledError:
             rec.error = "cancelled: run time limit"
             raise

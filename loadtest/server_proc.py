@@ -1,5 +1,6 @@
 """``specd serve`` in a child process on a free loopback port, for benchmarks: the server never
 shares the load generator's GIL."""
+
 from __future__ import annotations
 
 import os
@@ -20,16 +21,31 @@ def specd_server(config: Path, max_running: int, dtype: str | None = None):
     """``specd serve`` in a child process on a free loopback port (at least ``max_running``
     sequences, ``dtype`` overriding the config's); yields (base_url ending in /v1, pid)."""
     data = yaml.safe_load(config.read_text()) or {}
-    data.setdefault("engine", {})["max_running"] = max(data["engine"].get("max_running", 1), max_running)
+    data.setdefault("engine", {})["max_running"] = max(
+        data["engine"].get("max_running", 1), max_running
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(data, f)
     env = dict(os.environ, HF_HUB_OFFLINE="1", SPECD_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--config", f.name,
-                             "--host", "127.0.0.1", "--port", str(port)]
-                            + (["--dtype", dtype] if dtype else []), env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--config",
+            f.name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        + (["--dtype", dtype] if dtype else []),
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300

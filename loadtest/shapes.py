@@ -8,12 +8,13 @@ Request i sends ``items[i % len(items)]``, so two runs with the same arguments s
 prompts in the same order. At ``duration`` seconds no new request starts; requests still running
 at ``duration + grace`` are cancelled and recorded with an error "cancelled: run time limit".
 """
+
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 Send = Callable[[object, list], Awaitable[None]]  # (item, records sink) -> None
 
@@ -21,14 +22,23 @@ Send = Callable[[object, list], Awaitable[None]]  # (item, records sink) -> None
 async def _bounded(tasks: list[asyncio.Task], t0: float, duration: float, grace: float) -> None:
     if not tasks:
         return
-    _, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + duration + grace - time.perf_counter()))
+    _, pending = await asyncio.wait(
+        tasks, timeout=max(0.0, t0 + duration + grace - time.perf_counter())
+    )
     for t in pending:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def closed_loop(items: list, send: Send, concurrency: int, requests: int, duration: float,
-                      grace: float = 60.0, on_done: Callable[[], None] = lambda: None):
+async def closed_loop(
+    items: list,
+    send: Send,
+    concurrency: int,
+    requests: int,
+    duration: float,
+    grace: float = 60.0,
+    on_done: Callable[[], None] = lambda: None,
+):
     """Returns (records, wall seconds)."""
     records: list = []
     next_i = 0
@@ -45,8 +55,16 @@ async def closed_loop(items: list, send: Send, concurrency: int, requests: int, 
     return records, time.perf_counter() - t0
 
 
-async def open_loop(items: list, send: Send, rate: float, requests: int, duration: float,
-                    seed: int = 0, grace: float = 60.0, on_done: Callable[[], None] = lambda: None):
+async def open_loop(
+    items: list,
+    send: Send,
+    rate: float,
+    requests: int,
+    duration: float,
+    seed: int = 0,
+    grace: float = 60.0,
+    on_done: Callable[[], None] = lambda: None,
+):
     """Returns (records, wall seconds)."""
     rng = random.Random(seed)
     records: list = []

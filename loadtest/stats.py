@@ -1,5 +1,6 @@
 """Aggregates of one run, the server-side view scraped from specd's /metrics, and ratios with
 confidence intervals for A/B runs."""
+
 from __future__ import annotations
 
 import math
@@ -10,9 +11,38 @@ from prometheus_client.parser import text_string_to_metric_families
 
 QUANTILES = (50, 90, 95, 99)
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond that the normal's.
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
-        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
-        2.052, 2.048, 2.045, 2.042]
+_T95 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -27,8 +57,12 @@ def percentiles(xs: list[float]) -> dict:
         lo = math.floor(pos)
         hi = min(lo + 1, len(xs) - 1)
         return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-    return {"count": len(xs), "mean_ms": 1000 * statistics.fmean(xs),
-            **{f"p{p}_ms": 1000 * q(p) for p in QUANTILES}}
+
+    return {
+        "count": len(xs),
+        "mean_ms": 1000 * statistics.fmean(xs),
+        **{f"p{p}_ms": 1000 * q(p) for p in QUANTILES},
+    }
 
 
 def summarize(records, wall: float) -> dict:
@@ -40,8 +74,10 @@ def summarize(records, wall: float) -> dict:
     has_spec = any(r.drafted is not None for r in ok)
     by_cat: dict[str, dict] = {}
     for r in ok:
-        c = by_cat.setdefault(r.category, {"requests": 0, "output_tokens": 0, "drafted": 0,
-                                           "accepted": 0, "passes": 0})
+        c = by_cat.setdefault(
+            r.category,
+            {"requests": 0, "output_tokens": 0, "drafted": 0, "accepted": 0, "passes": 0},
+        )
         c["requests"] += 1
         c["output_tokens"] += r.output_tokens
         c["drafted"] += r.drafted or 0
@@ -51,26 +87,35 @@ def summarize(records, wall: float) -> dict:
         c["acceptance"] = c["accepted"] / c["drafted"] if c["drafted"] else None
         c["tokens_per_pass"] = c["output_tokens"] / c["passes"] if c["passes"] else None
     return {
-        "requests": len(records), "completed": len(ok), "errors": len(errors),
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": len(errors),
         "cancelled": len(records) - len(ok) - len(errors),
         "error_rate": len(errors) / len(records) if records else 0.0,
         "error_samples": sorted({r.error for r in errors})[:5],
-        "wall_s": wall, "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tokens": tokens,
         "output_tok_s": tokens / wall if wall > 0 else 0.0,
         "requests_s": len(ok) / wall if wall > 0 else 0.0,
         "ttft": percentiles([r.ttft for r in ok]),
         "itl_token": percentiles([x for r in ok for x in r.itl_token]),
         "itl_chunk": percentiles([x for r in ok for x in r.itl_chunk]),
         "e2e": percentiles([r.e2e for r in ok]),
-        "acceptance": (sum(r.accepted or 0 for r in ok) / drafted if drafted else 0.0) if has_spec else None,
+        "acceptance": (sum(r.accepted or 0 for r in ok) / drafted if drafted else 0.0)
+        if has_spec
+        else None,
         "tokens_per_pass": (tokens / passes if passes else None) if has_spec else None,
         "by_category": by_cat,
     }
 
 
 # -- specd's /metrics ------------------------------------------------------------------------
-COUNTERS = {"drafted": "specd_draft_tokens", "accepted": "specd_accepted_tokens",
-            "passes": "specd_target_passes", "output_tokens": "specd_output_tokens"}
+COUNTERS = {
+    "drafted": "specd_draft_tokens",
+    "accepted": "specd_accepted_tokens",
+    "passes": "specd_target_passes",
+    "output_tokens": "specd_output_tokens",
+}
 
 
 def scrape(base_url: str, api_key: str | None = None) -> dict | None:
@@ -97,8 +142,11 @@ def server_delta(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
     d = {k: after[k] - before[k] for k in COUNTERS}
-    return {**d, "acceptance": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
-            "tokens_per_pass": d["output_tokens"] / d["passes"] if d["passes"] else None}
+    return {
+        **d,
+        "acceptance": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
+        "tokens_per_pass": d["output_tokens"] / d["passes"] if d["passes"] else None,
+    }
 
 
 # -- A/B -------------------------------------------------------------------------------------

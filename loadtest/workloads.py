@@ -6,6 +6,7 @@ first answer, in the same conversation), ``humaneval`` or ``jsonl:PATH``. A JSON
 ``{"prompt": "..."}`` (completions endpoint) or ``{"messages": [...]}`` (chat), with optional
 ``id``, ``category`` and ``max_tokens``.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,17 @@ class Item:
     def endpoint(self) -> str:
         return "completions" if self.prompt is not None else "chat"
 
-    def as_endpoint(self, endpoint: str) -> "Item":
+    def as_endpoint(self, endpoint: str) -> Item:
         """The same text sent to another endpoint ("auto" keeps the item's own)."""
         if endpoint in ("auto", self.endpoint):
             return self
         if endpoint == "chat":
-            return Item(self.id, self.category, messages=({"role": "user", "content": self.prompt},),
-                        max_tokens=self.max_tokens)
+            return Item(
+                self.id,
+                self.category,
+                messages=({"role": "user", "content": self.prompt},),
+                max_tokens=self.max_tokens,
+            )
         if endpoint == "completions":
             text = "\n\n".join(str(m["content"]) for m in self.messages)
             return Item(self.id, self.category, prompt=text, max_tokens=self.max_tokens)
@@ -46,9 +51,14 @@ def _mtbench(turns: int) -> list[Item]:
     out = []
     for line in root.read_text().splitlines():
         q = json.loads(line)
-        out.append(Item(f"mtbench-{q['question_id']}", q["category"],
-                        messages=({"role": "user", "content": q["turns"][0]},),
-                        followups=tuple(q["turns"][1:turns])))
+        out.append(
+            Item(
+                f"mtbench-{q['question_id']}",
+                q["category"],
+                messages=({"role": "user", "content": q["turns"][0]},),
+                followups=tuple(q["turns"][1:turns]),
+            )
+        )
     return out
 
 
@@ -58,8 +68,11 @@ def _jsonl(path: str) -> list[Item]:
         if not line.strip():
             continue
         d = json.loads(line)
-        common = dict(id=str(d.get("id", f"line-{n + 1}")), category=str(d.get("category", "jsonl")),
-                      max_tokens=d.get("max_tokens"))
+        common = dict(
+            id=str(d.get("id", f"line-{n + 1}")),
+            category=str(d.get("category", "jsonl")),
+            max_tokens=d.get("max_tokens"),
+        )
         if "messages" in d:
             out.append(Item(messages=tuple(d["messages"]), **common))
         elif "prompt" in d:

@@ -1,11 +1,12 @@
 """The ``specd`` command.
 
-  specd serve    [--config FILE] [--host H] [--port P] [--dtype D] [--device D] [--api-key K]
-                 start the OpenAI-compatible server (flags > SPECD_* env > config file)
-  specd prepare  [--config FILE]            convert the configured model(s) once (GGUF -> safetensors)
-  specd generate [--config FILE] PROMPT...  run the engine directly on chat prompts and print the
-                                            output with speculation stats
+specd serve    [--config FILE] [--host H] [--port P] [--dtype D] [--device D] [--api-key K]
+               start the OpenAI-compatible server (flags > SPECD_* env > config file)
+specd prepare  [--config FILE]            convert the configured model(s) once (GGUF -> safetensors)
+specd generate [--config FILE] PROMPT...  run the engine directly on chat prompts and print the
+                                          output with speculation stats
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ def _config(args):
     import os
 
     from engine.config import EngineConfig
+
     cfg = EngineConfig.from_yaml(args.config)
     for name in ("dtype", "device"):  # flag > env > file
         value = getattr(args, name, None) or os.environ.get(f"SPECD_{name.upper()}")
@@ -44,24 +46,31 @@ def cmd_serve(args) -> int:
     from .settings import ServerSettings, load_config_file
 
     data = load_config_file(args.config)
-    flags = {"host": args.host, "port": args.port,
-             "api_keys": [args.api_key] if args.api_key else None}
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "api_keys": [args.api_key] if args.api_key else None,
+    }
     settings = ServerSettings.from_sources(data.get("server"), flags=flags)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     cfg = _config(args)
     built = build_engine(cfg)
     engine = built.engine
     worker = EngineWorker(engine, max_queued=cfg.max_queued)
-    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method,
-                    cfg.drafter.k_max)
+    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method, cfg.drafter.k_max)
     app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)
-    print(f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
-          f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1", flush=True)
+    print(
+        f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
+        f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1",
+        flush=True,
+    )
     # HTTP in a thread, the engine loop in the main thread: torch's CPU thread team stays hot only
     # for the main thread (every forward ran 2x slower from a second thread on 2 cores).
-    server = uvicorn.Server(uvicorn_config(app, settings.host, settings.port, settings,
-                                           log_level=settings.log_level))
+    server = uvicorn.Server(
+        uvicorn_config(app, settings.host, settings.port, settings, log_level=settings.log_level)
+    )
     http = threading.Thread(target=server.run, name="specd-http", daemon=True)
 
     def stop(*_):
@@ -83,6 +92,7 @@ def cmd_serve(args) -> int:
 
 def cmd_prepare(args) -> int:
     from engine.loader import prepare
+
     cfg = _config(args)
     print(prepare(cfg.model.spec, cfg.cache_dir))
     if cfg.drafter.method == "model" and cfg.drafter.spec:
@@ -94,35 +104,48 @@ def cmd_generate(args) -> int:
     from engine.builder import build_engine
     from engine.sampling import SamplingParams
     from engine.sequence import SpecParams
+
     cfg = _config(args)
     if args.drafter:
         cfg.drafter.method = args.drafter
     built = build_engine(cfg)
     tok, engine = built.tokenizer, built.engine
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}],
-                                            add_generation_prompt=True, return_dict=True)["input_ids"])
-               for p in args.prompt]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    prompts = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        )
+        for p in args.prompt
+    ]
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
+    )
     t0 = time.perf_counter()
     spec = SpecParams() if args.k is None else SpecParams(enabled=args.k > 0, k=args.k)
     seqs = engine.generate(prompts, params, spec)
     dt = time.perf_counter() - t0
     for s in seqs:
-        print(f"--- {s.request_id} ({s.finish_reason})\n{tok.decode(s.output_ids, skip_special_tokens=True)}")
+        print(
+            f"--- {s.request_id} ({s.finish_reason})\n{tok.decode(s.output_ids, skip_special_tokens=True)}"
+        )
     n = sum(len(s.output_ids) for s in seqs)
     drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
     passes = sum(s.target_passes for s in seqs)
-    print(f"--- {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s); drafter {cfg.drafter.method} "
-          f"K={args.k if args.k is not None else cfg.drafter.controller}: drafted {drafted}, "
-          f"accepted {accepted} "
-          f"({accepted / max(drafted, 1):.0%}), {n / max(passes, 1):.2f} tokens per target pass",
-          file=sys.stderr)
+    print(
+        f"--- {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s); drafter {cfg.drafter.method} "
+        f"K={args.k if args.k is not None else cfg.drafter.controller}: drafted {drafted}, "
+        f"accepted {accepted} "
+        f"({accepted / max(drafted, 1):.0%}), {n / max(passes, 1):.2f} tokens per target pass",
+        file=sys.stderr,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specd", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="specd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("serve", "prepare", "generate"):
         p = sub.add_parser(name)
@@ -138,9 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--max-tokens", type=int, default=128)
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--seed", type=int)
-            p.add_argument("--k", type=int, default=None,
-                           help="fixed draft length (0 = plain decoding; default: the config's "
-                                "K controller, adaptive)")
+            p.add_argument(
+                "--k",
+                type=int,
+                default=None,
+                help="fixed draft length (0 = plain decoding; default: the config's "
+                "K controller, adaptive)",
+            )
             p.add_argument("--drafter", choices=["ngram", "self", "layers", "none"])
     args = ap.parse_args(argv)
     return {"serve": cmd_serve, "prepare": cmd_prepare, "generate": cmd_generate}[args.cmd](args)

@@ -11,6 +11,7 @@ A temperature below 1e-5 decodes greedily (as vLLM does: dividing logits by it o
 
 Everything specd cannot honour is refused here with a 400 that names the field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,15 +24,26 @@ from engine.sequence import SpecParams
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .settings import ServerSettings
 
-
 MIN_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -41,6 +53,7 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
 @dataclass
 class Limits:
     """What the engine can take, from its config."""
+
     max_model_len: int
     vocab_size: int
     drafter: str  # configured drafter method
@@ -50,6 +63,7 @@ class Limits:
 @dataclass
 class Job:
     """One HTTP request, converted: the prompts to run, each ``n`` times."""
+
     prompts: list[list[int]]
     params: SamplingParams
     spec: SpecParams
@@ -60,17 +74,26 @@ class Job:
 
 def check_model(name: str, served: list[str]) -> None:
     if name not in served:
-        raise bad(f"The model '{name}' does not exist; this server serves: {', '.join(served)}",
-                  "model", "model_not_found")
+        raise bad(
+            f"The model '{name}' does not exist; this server serves: {', '.join(served)}",
+            "model",
+            "model_not_found",
+        )
 
 
 def _refuse_unsupported(req: _Sampling) -> None:
     if req.presence_penalty:
-        raise bad("presence_penalty is not supported by specd yet (send 0 or omit it)",
-                  "presence_penalty", "unsupported_parameter")
+        raise bad(
+            "presence_penalty is not supported by specd yet (send 0 or omit it)",
+            "presence_penalty",
+            "unsupported_parameter",
+        )
     if req.frequency_penalty:
-        raise bad("frequency_penalty is not supported by specd yet (send 0 or omit it)",
-                  "frequency_penalty", "unsupported_parameter")
+        raise bad(
+            "frequency_penalty is not supported by specd yet (send 0 or omit it)",
+            "frequency_penalty",
+            "unsupported_parameter",
+        )
     if req.logit_bias:
         raise bad("logit_bias is not supported by specd yet", "logit_bias", "unsupported_parameter")
 
@@ -91,43 +114,75 @@ def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
     if o.method is not None:
         configured = "ngram" if limits.drafter == "ngram" else "draft"
         if limits.drafter == "none" or o.method != configured:
-            raise bad(f"speculation.method {o.method!r} is not available on this server "
-                      f"(configured drafter: {limits.drafter})", "speculation.method")
+            raise bad(
+                f"speculation.method {o.method!r} is not available on this server "
+                f"(configured drafter: {limits.drafter})",
+                "speculation.method",
+            )
     for name in ("k", "k_max"):
         v = getattr(o, name)
         if v is not None and v > s.spec_k_max:
             raise bad(f"speculation.{name} must be <= {s.spec_k_max}", f"speculation.{name}")
     k_max = o.k_max if o.k_max is not None else s.spec_k_max
-    enabled = ((o.enabled if o.enabled is not None else True) and limits.drafter != "none"
-               and o.k != 0 and k_max > 0)
+    enabled = (
+        (o.enabled if o.enabled is not None else True)
+        and limits.drafter != "none"
+        and o.k != 0
+        and k_max > 0
+    )
     return SpecParams(enabled=enabled, k=o.k, k_max=k_max)
 
 
-def _params(req: _Sampling, s: ServerSettings, limits: Limits, prompt_len: int,
-            max_tokens: int | None, default_max: int | None, logprobs: int | None,
-            stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+def _params(
+    req: _Sampling,
+    s: ServerSettings,
+    limits: Limits,
+    prompt_len: int,
+    max_tokens: int | None,
+    default_max: int | None,
+    logprobs: int | None,
+    stop_ids: tuple[int, ...] = (),
+) -> SamplingParams:
     room = limits.max_model_len - prompt_len
     if room <= 0:
-        raise bad(f"The prompt has {prompt_len} tokens, more than the model's context of "
-                  f"{limits.max_model_len} tokens allows", "messages" if isinstance(
-                      req, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+        raise bad(
+            f"The prompt has {prompt_len} tokens, more than the model's context of "
+            f"{limits.max_model_len} tokens allows",
+            "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            "context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = s.default_max_tokens or default_max or room
         max_tokens = min(max_tokens, room)
     elif max_tokens > room:
-        raise bad(f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
-                  f"model's context of {limits.max_model_len} tokens", "max_tokens",
-                  "context_length_exceeded")
-    temperature = req.temperature if req.temperature is not None else (
-        s.default_temperature if s.default_temperature is not None else 1.0)
+        raise bad(
+            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
+            f"model's context of {limits.max_model_len} tokens",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    temperature = (
+        req.temperature
+        if req.temperature is not None
+        else (s.default_temperature if s.default_temperature is not None else 1.0)
+    )
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0
-    top_p = req.top_p if req.top_p is not None else (
-        s.default_top_p if s.default_top_p is not None else 1.0)
+    top_p = (
+        req.top_p
+        if req.top_p is not None
+        else (s.default_top_p if s.default_top_p is not None else 1.0)
+    )
     top_k = min(max(req.top_k or 0, 0), limits.vocab_size)
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                          max_tokens=max_tokens, seed=req.seed, logprobs=logprobs,
-                          stop_token_ids=stop_ids)
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=req.seed,
+        logprobs=logprobs,
+        stop_token_ids=stop_ids,
+    )
 
 
 def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:
@@ -156,8 +211,11 @@ def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits:
     elif p and all(isinstance(x, list) for x in p):
         prompts = [list(x) for x in p]
     else:
-        raise bad("prompt must be a non-empty string, list of strings, token ids or list of "
-                  "token-id lists", "prompt")
+        raise bad(
+            "prompt must be a non-empty string, list of strings, token ids or list of "
+            "token-id lists",
+            "prompt",
+        )
     _check_n(req, s, len(prompts))
     for ids in prompts:
         if not ids:
@@ -177,8 +235,10 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
             content = "".join(part.text for part in content)
         if content is None:
             if m.role != "assistant":
-                raise bad(f"messages[{i}].content is required for role {m.role!r}",
-                          f"messages[{i}].content")
+                raise bad(
+                    f"messages[{i}].content is required for role {m.role!r}",
+                    f"messages[{i}].content",
+                )
             content = ""
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": content})
@@ -187,8 +247,9 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     except Exception as e:  # a template that refuses the conversation (e.g. role order)
         # the template's own message (raise_exception) is for the user; anything else is internal
         why = str(e)[:200] if isinstance(e, TemplateError) else "the conversation is not valid"
-        raise bad(f"messages could not be rendered by the model's chat template: {why}",
-                  "messages") from None
+        raise bad(
+            f"messages could not be rendered by the model's chat template: {why}", "messages"
+        ) from None
     return list(out["input_ids"])
 
 
@@ -198,16 +259,22 @@ def chat_job(req: ChatCompletionRequest, tokenizer, s: ServerSettings, limits: L
     if req.tools:
         raise bad("tools are not supported by specd yet", "tools", "unsupported_parameter")
     if req.tool_choice not in (None, "none"):
-        raise bad("tool_choice is not supported by specd yet", "tool_choice",
-                  "unsupported_parameter")
+        raise bad(
+            "tool_choice is not supported by specd yet", "tool_choice", "unsupported_parameter"
+        )
     if req.response_format is not None and req.response_format.type != "text":
-        raise bad("response_format other than 'text' is not supported by specd yet",
-                  "response_format", "unsupported_parameter")
+        raise bad(
+            "response_format other than 'text' is not supported by specd yet",
+            "response_format",
+            "unsupported_parameter",
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
     ids = chat_prompt(req, tokenizer)
     stop = _stops(req, s)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, s, limits, len(ids), max_tokens, None, logprobs)
     return Job([ids], params, _spec(req, s, limits), req.n, stop)

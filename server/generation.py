@@ -1,11 +1,12 @@
 """Runs the choices of one HTTP request through the engine worker and turns engine outputs into
 text events: incremental detokenization, stop strings, logprobs, usage counts."""
+
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
 
 from engine.worker import EngineError, EngineWorker
 
@@ -41,6 +42,7 @@ class Tally:
 @dataclass
 class JobRun:
     """All choices of one job: ``len(prompts) * n`` engine requests, merged into one stream."""
+
     worker: EngineWorker
     tokenizer: object
     job: Job
@@ -70,7 +72,9 @@ class JobRun:
             if clock:
                 clock.done(reason)
 
-    async def _choice_events(self, index: int, prompt: list[int], clock) -> AsyncIterator[ChoiceEvent]:
+    async def _choice_events(
+        self, index: int, prompt: list[int], clock
+    ) -> AsyncIterator[ChoiceEvent]:
         job, tok = self.job, self.tokenizer
         detok = IncrementalDetokenizer(tok, prompt)
         stops = StopFilter(job.stop)
@@ -79,8 +83,7 @@ class JobRun:
         params = job.params
         if params.seed is not None and index:  # n choices of one seeded request must differ
             params = replace(params, seed=params.seed + index)
-        async for out in self.worker.submit(f"{self.request_id}-{index}", prompt, params,
-                                            job.spec):
+        async for out in self.worker.submit(f"{self.request_id}-{index}", prompt, params, job.spec):
             if clock:
                 clock.tokens(len(out.new_token_ids), out.seq)
             self.tally.completion_tokens += len(out.new_token_ids)
@@ -92,8 +95,10 @@ class JobRun:
             lps = None
             if want_lp and out.logprobs is not None:
                 tops = out.top_logprobs or [[] for _ in out.new_token_ids]
-                lps = [TokenLP(self._token_text(t), lp, [(self._token_text(i), v) for i, v in top])
-                       for t, lp, top in zip(out.new_token_ids, out.logprobs, tops)]
+                lps = [
+                    TokenLP(self._token_text(t), lp, [(self._token_text(i), v) for i, v in top])
+                    for t, lp, top in zip(out.new_token_ids, out.logprobs, tops)
+                ]
             if stops.stopped:
                 yield ChoiceEvent(index, text, lps, "stop")
                 return  # leaving the iterator aborts the engine request
@@ -105,8 +110,11 @@ class JobRun:
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """Events of every choice, interleaved as they come; choice index = prompt * n + i."""
-        gens = [self._choice(p * self.job.n + i, prompt)
-                for p, prompt in enumerate(self.job.prompts) for i in range(self.job.n)]
+        gens = [
+            self._choice(p * self.job.n + i, prompt)
+            for p, prompt in enumerate(self.job.prompts)
+            for i in range(self.job.n)
+        ]
         if len(gens) == 1:
             async for ev in gens[0]:
                 yield ev

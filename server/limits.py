@@ -12,6 +12,7 @@
   stalled reader costs the engine nothing (engine/worker.py bounds each request's buffer).
 * :func:`uvicorn_config` puts them together with a short keep-alive.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,18 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 def error_json(status: int, message: str, code: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error",
-                                   "param": None, "code": code}}, status, headers=headers)
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        },
+        status,
+        headers=headers,
+    )
 
 
 class _TooLarge(Exception):
@@ -47,16 +58,24 @@ class BodyLimits:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] not in BODY_METHODS:
             return await self.app(scope, receive, send)
-        too_large = error_json(413, f"request body larger than {self.max_bytes} bytes",
-                               "request_too_large", {"connection": "close"})
+        too_large = error_json(
+            413,
+            f"request body larger than {self.max_bytes} bytes",
+            "request_too_large",
+            {"connection": "close"},
+        )
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             return await too_large(scope, receive, send)
         try:
             body = await asyncio.wait_for(self._read(receive), self.body_timeout)
         except asyncio.TimeoutError:
-            return await error_json(408, f"request body not received within {self.body_timeout:g} s",
-                                    "request_timeout", {"connection": "close"})(scope, receive, send)
+            return await error_json(
+                408,
+                f"request body not received within {self.body_timeout:g} s",
+                "request_timeout",
+                {"connection": "close"},
+            )(scope, receive, send)
         except _TooLarge:
             return await too_large(scope, receive, send)
         except _Disconnected:
@@ -89,14 +108,14 @@ class BodyLimits:
 
 def _only_send_timeouts(e: BaseException) -> bool:
     subs = getattr(e, "exceptions", None)  # an exception group from the response's task group
-    return isinstance(e, SendTimeoutError) or bool(subs) and all(map(_only_send_timeouts, subs))
+    return isinstance(e, SendTimeoutError) or (bool(subs) and all(map(_only_send_timeouts, subs)))
 
 
 class StalledReaderSSE(EventSourceResponse):
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not _only_send_timeouts(e):
                 raise
             log.warning("closed a stream whose client stopped reading for %s s", self.send_timeout)
@@ -105,6 +124,7 @@ class StalledReaderSSE(EventSourceResponse):
 class HeaderDeadlineH11(H11Protocol):
     """uvicorn's h11 protocol, closing a connection that has not sent a complete request head
     within ``header_timeout`` seconds of connecting or of finishing its previous response."""
+
     header_timeout: float = 10.0
     _head_timer: asyncio.TimerHandle | None = None
 
@@ -137,6 +157,12 @@ class HeaderDeadlineH11(H11Protocol):
 
 def uvicorn_config(app, host: str, port: int, settings, **kw) -> uvicorn.Config:
     protocol = type("SpecdH11", (HeaderDeadlineH11,), {"header_timeout": settings.header_timeout_s})
-    return uvicorn.Config(app, host=host, port=port, http=protocol,
-                          timeout_keep_alive=settings.keep_alive_s,
-                          h11_max_incomplete_event_size=settings.max_header_bytes, **kw)
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        timeout_keep_alive=settings.keep_alive_s,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        **kw,
+    )

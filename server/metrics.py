@@ -32,6 +32,7 @@ Serving:
   specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges
 Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queueing).
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,12 +40,63 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-ITL_BUCKETS = (0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
-               0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
-REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-                   160.0, 320.0)
-PHASE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15,
-                 0.25, 0.5, 1.0, 2.5)
+ITL_BUCKETS = (
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+)
+REQUEST_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+PHASE_BUCKETS = (
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.035,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 class Metrics:
@@ -52,8 +104,9 @@ class Metrics:
     process do not collide). ``observe_step`` runs in the engine thread after every step;
     ``sequence_clock`` on the asyncio side for every sequence of a request."""
 
-    def __init__(self, model: str, drafter: str, k_max: int = 8,
-                 registry: CollectorRegistry | None = None):
+    def __init__(
+        self, model: str, drafter: str, k_max: int = 8, registry: CollectorRegistry | None = None
+    ):
         self.registry = r = registry or CollectorRegistry()
         lab = {"model": model, "drafter": drafter}
         names = list(lab)
@@ -65,54 +118,97 @@ class Metrics:
         def hist(name, doc, buckets, extra=()):
             return Histogram(name, doc, names + list(extra), buckets=buckets, registry=r)
 
-        self._drafted = counter("specd_draft_tokens", "Drafted tokens. Acceptance rate: "
-                                "rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])")
+        self._drafted = counter(
+            "specd_draft_tokens",
+            "Drafted tokens. Acceptance rate: "
+            "rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])",
+        )
         self._accepted = counter("specd_accepted_tokens", "Drafted tokens the target accepted.")
-        self._drafted_pos = counter("specd_draft_tokens_by_position",
-                                    "Drafted tokens by draft position (1 = first drafted token).",
-                                    ["position"])
-        self._accepted_pos = counter("specd_accepted_tokens_by_position",
-                                     "Accepted tokens by draft position. Acceptance at position j: "
-                                     "rate(accepted{position=j}) / rate(draft{position=j})",
-                                     ["position"])
-        self._passes = counter("specd_target_passes", "Target forward passes per sequence "
-                               "(prefill included). Tokens per pass: rate(specd_output_tokens_total[1m]) "
-                               "/ rate(specd_target_passes_total[1m])")
-        self._out = counter("specd_output_tokens", "Output tokens. Output tok/s: "
-                            "rate(specd_output_tokens_total[1m])")
+        self._drafted_pos = counter(
+            "specd_draft_tokens_by_position",
+            "Drafted tokens by draft position (1 = first drafted token).",
+            ["position"],
+        )
+        self._accepted_pos = counter(
+            "specd_accepted_tokens_by_position",
+            "Accepted tokens by draft position. Acceptance at position j: "
+            "rate(accepted{position=j}) / rate(draft{position=j})",
+            ["position"],
+        )
+        self._passes = counter(
+            "specd_target_passes",
+            "Target forward passes per sequence "
+            "(prefill included). Tokens per pass: rate(specd_output_tokens_total[1m]) "
+            "/ rate(specd_target_passes_total[1m])",
+        )
+        self._out = counter(
+            "specd_output_tokens",
+            "Output tokens. Output tok/s: rate(specd_output_tokens_total[1m])",
+        )
         self._prompt = counter("specd_prompt_tokens", "Prompt tokens of every sequence.")
-        self._requests = counter("specd_requests", "HTTP generation requests by endpoint and final "
-                                 "status (499: the client disconnected).", ["endpoint", "status"])
-        self._finished = counter("specd_sequences_finished", "Sequences (choices) by finish reason: "
-                                 "stop, length, abort, error.", ["finish_reason"])
+        self._requests = counter(
+            "specd_requests",
+            "HTTP generation requests by endpoint and final status (499: the client disconnected).",
+            ["endpoint", "status"],
+        )
+        self._finished = counter(
+            "specd_sequences_finished",
+            "Sequences (choices) by finish reason: stop, length, abort, error.",
+            ["finish_reason"],
+        )
         self._drafter_failures = counter(
-            "specd_drafter_failures", "Drafter exceptions or malformed proposals; each made its "
-            "requests fall back to plain decoding (output unchanged). increase(...[1h]) > 0: alert")
-        self._tpp = hist("specd_tokens_per_pass", "Tokens one sequence got from one target pass.",
-                         tuple(range(1, k_max + 2)))
-        self._k = hist("specd_draft_length", "Draft length K chosen per sequence and round.",
-                       tuple(range(0, k_max + 1)))
-        self._phase = hist("specd_round_phase_seconds", "Wall time of each round's phases: draft, "
-                           "verify (target forward), accept (rejection rule and host sync).",
-                           PHASE_BUCKETS, ["phase"])
-        self._itl = hist("specd_inter_token_latency_seconds",
-                         "Inter-token latency per output token: n tokens received after a gap g add "
-                         "n observations of g/n, so quantiles are per token, not per round. p95: "
-                         "histogram_quantile(0.95, sum by (le) (rate(specd_inter_token_latency_seconds_bucket[1m])))",
-                         ITL_BUCKETS)
-        self._ttft = hist("specd_time_to_first_token_seconds",
-                          "From the HTTP request to a sequence's first output token.", REQUEST_BUCKETS)
-        self._e2e = hist("specd_request_latency_seconds",
-                         "From the HTTP request to a sequence's last output token.", REQUEST_BUCKETS)
-        self._queue = hist("specd_queue_time_seconds",
-                           "From the engine taking a sequence to its getting a KV cache slot.",
-                           REQUEST_BUCKETS)
-        self._running = Gauge("specd_running_sequences", "Sequences holding a KV slot.", names,
-                              registry=r).labels(**lab)
-        self._waiting = Gauge("specd_waiting_sequences", "Sequences waiting for a KV slot.", names,
-                              registry=r).labels(**lab)
-        self._kv = Gauge("specd_kv_cache_usage_ratio", "Share of the KV cache slots in use.", names,
-                         registry=r).labels(**lab)
+            "specd_drafter_failures",
+            "Drafter exceptions or malformed proposals; each made its "
+            "requests fall back to plain decoding (output unchanged). increase(...[1h]) > 0: alert",
+        )
+        self._tpp = hist(
+            "specd_tokens_per_pass",
+            "Tokens one sequence got from one target pass.",
+            tuple(range(1, k_max + 2)),
+        )
+        self._k = hist(
+            "specd_draft_length",
+            "Draft length K chosen per sequence and round.",
+            tuple(range(k_max + 1)),
+        )
+        self._phase = hist(
+            "specd_round_phase_seconds",
+            "Wall time of each round's phases: draft, "
+            "verify (target forward), accept (rejection rule and host sync).",
+            PHASE_BUCKETS,
+            ["phase"],
+        )
+        self._itl = hist(
+            "specd_inter_token_latency_seconds",
+            "Inter-token latency per output token: n tokens received after a gap g add "
+            "n observations of g/n, so quantiles are per token, not per round. p95: "
+            "histogram_quantile(0.95, sum by (le) (rate(specd_inter_token_latency_seconds_bucket[1m])))",
+            ITL_BUCKETS,
+        )
+        self._ttft = hist(
+            "specd_time_to_first_token_seconds",
+            "From the HTTP request to a sequence's first output token.",
+            REQUEST_BUCKETS,
+        )
+        self._e2e = hist(
+            "specd_request_latency_seconds",
+            "From the HTTP request to a sequence's last output token.",
+            REQUEST_BUCKETS,
+        )
+        self._queue = hist(
+            "specd_queue_time_seconds",
+            "From the engine taking a sequence to its getting a KV cache slot.",
+            REQUEST_BUCKETS,
+        )
+        self._running = Gauge(
+            "specd_running_sequences", "Sequences holding a KV slot.", names, registry=r
+        ).labels(**lab)
+        self._waiting = Gauge(
+            "specd_waiting_sequences", "Sequences waiting for a KV slot.", names, registry=r
+        ).labels(**lab)
+        self._kv = Gauge(
+            "specd_kv_cache_usage_ratio", "Share of the KV cache slots in use.", names, registry=r
+        ).labels(**lab)
         # children with the model/drafter labels bound (the hot path does no label lookups)
         self.drafted, self.accepted = self._drafted.labels(**lab), self._accepted.labels(**lab)
         self.passes, self.output_tokens = self._passes.labels(**lab), self._out.labels(**lab)
@@ -121,8 +217,12 @@ class Metrics:
         self.itl, self.ttft = self._itl.labels(**lab), self._ttft.labels(**lab)
         self.e2e, self.queue = self._e2e.labels(**lab), self._queue.labels(**lab)
         self.phase = {p: self._phase.labels(**lab, phase=p) for p in ("draft", "verify", "accept")}
-        self.drafted_pos = [self._drafted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)]
-        self.accepted_pos = [self._accepted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)]
+        self.drafted_pos = [
+            self._drafted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)
+        ]
+        self.accepted_pos = [
+            self._accepted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)
+        ]
         self.drafter_failures = self._drafter_failures.labels(**lab)
         self._failures_seen = 0  # the engine's running count, as last read
         self._failures_lock = threading.Lock()  # read from the engine thread and from /metrics
@@ -174,7 +274,7 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._finished.labels(**self._lab, finish_reason=reason).inc()
 
-    def sequence_clock(self, started: float) -> "SequenceClock":
+    def sequence_clock(self, started: float) -> SequenceClock:
         return SequenceClock(self, started)
 
 

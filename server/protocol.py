@@ -4,15 +4,15 @@ These are the wire format only; :mod:`server.convert` turns a request into the e
 dataclasses (one explicit conversion that documents which defaults win). Fields that specd cannot
 honour are accepted by the schema and refused with a 400 by the conversion, never ignored.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-INT64 = 2 ** 63
+INT64 = 2**63
 
 
 class _Req(BaseModel):
@@ -27,36 +27,37 @@ class StreamOptions(_Req):
 
 class SpeculationOptions(_Req):
     """specd extension (send through ``extra_body``): per-request speculation settings."""
-    enabled: Optional[bool] = None
-    method: Optional[Literal["ngram", "draft"]] = None
-    k: Optional[int] = Field(None, ge=0)
-    k_max: Optional[int] = Field(None, ge=0)
+
+    enabled: bool | None = None
+    method: Literal["ngram", "draft"] | None = None
+    k: int | None = Field(None, ge=0)
+    k_max: int | None = Field(None, ge=0)
 
 
 class _Sampling(_Req):
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=-1)  # extension; -1 or 0 = off
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extension; -1 or 0 = off
     n: int = Field(1, ge=1)
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
-    speculation: Optional[SpeculationOptions] = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    speculation: SpeculationOptions | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1)
-    suffix: Optional[str] = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
 
 class TextPart(_Req):
@@ -66,8 +67,8 @@ class TextPart(_Req):
 
 class ChatMessage(_Req):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
 
 class ResponseFormat(_Req):
@@ -76,12 +77,12 @@ class ResponseFormat(_Req):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[ResponseFormat] = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: ResponseFormat | None = None
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -95,21 +96,21 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    speculation: Optional[SpeculationUsage] = None  # specd extension, ignored by OpenAI clients
+    speculation: SpeculationUsage | None = None  # specd extension, ignored by OpenAI clients
 
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[Optional[float]] = []
-    top_logprobs: list[Optional[dict[str, float]]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -118,14 +119,14 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: Optional[list[int]] = None
+    bytes: list[int] | None = None
 
 
 class TokenLogprob(TopLogprob):
@@ -133,21 +134,21 @@ class TokenLogprob(TopLogprob):
 
 
 class ChoiceLogprobs(BaseModel):
-    content: Optional[list[TokenLogprob]] = None
-    refusal: Optional[list[TokenLogprob]] = None
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: Optional[str] = None
-    refusal: Optional[str] = None
+    content: str | None = None
+    refusal: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -156,20 +157,20 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class Delta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: Delta
-    logprobs: Optional[ChoiceLogprobs] = None
-    finish_reason: Optional[str] = None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -178,8 +179,8 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
@@ -197,8 +198,8 @@ class ModelList(BaseModel):
 class ErrorBody(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorResponse(BaseModel):

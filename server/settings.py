@@ -1,4 +1,5 @@
 """Server settings. Precedence: command-line flag > environment (SPECD_*) > config file > default."""
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,18 @@ class ServerSettings:
     max_n: int = 8
     max_stop: int = 4
     max_logprobs: int = 20
-    default_max_tokens: int | None = None  # None: OpenAI's (16 for completions, rest of context for chat)
+    default_max_tokens: int | None = (
+        None  # None: OpenAI's (16 for completions, rest of context for chat)
+    )
     default_temperature: float | None = None  # None: OpenAI's (1.0)
     default_top_p: float | None = None  # None: OpenAI's (1.0)
     spec_k_max: int = 8  # cap on a request's speculation.k / k_max
     max_choices: int = 64  # prompts x n of one request
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 30.0  # a request body must arrive whole within this (else 408)
-    header_timeout_s: float = 10.0  # a request head must arrive within this (else the connection closes)
+    header_timeout_s: float = (
+        10.0  # a request head must arrive within this (else the connection closes)
+    )
     max_header_bytes: int = 16384  # request head size (uvicorn answers 400 past it)
     keep_alive_s: float = 5.0  # idle keep-alive connections close after this
     stream_send_timeout_s: float = 60.0  # a stream whose client takes nothing for this long closes
@@ -32,8 +37,9 @@ class ServerSettings:
     log_level: str = "info"
 
     @classmethod
-    def from_sources(cls, file_data: dict | None, env: dict | None = None,
-                     flags: dict | None = None) -> "ServerSettings":
+    def from_sources(
+        cls, file_data: dict | None, env: dict | None = None, flags: dict | None = None
+    ) -> ServerSettings:
         env = os.environ if env is None else env
         values: dict = {}
         known = {f.name: f for f in fields(cls)}
@@ -49,8 +55,9 @@ class ServerSettings:
             values["api_keys"] = [k for k in env["SPECD_API_KEY"].split(",") if k]
         keys_file = env.get("SPECD_API_KEYS_FILE")
         if keys_file:
-            values["api_keys"] = [line.strip() for line in Path(keys_file).read_text().splitlines()
-                                  if line.strip()]
+            values["api_keys"] = [
+                line.strip() for line in Path(keys_file).read_text().splitlines() if line.strip()
+            ]
         for k, v in (flags or {}).items():  # flags last: they win
             if v is not None:
                 values[k] = v

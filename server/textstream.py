@@ -6,6 +6,7 @@ multi-byte characters split across tokens are never garbled and the concatenated
 ``tokenizer.decode(all_ids)``. StopFilter holds back the last ``max(len(stop)) - 1`` characters
 so that a stop string spanning chunks or tokens is caught before any part of it is sent.
 """
+
 from __future__ import annotations
 
 CONTEXT_TOKENS = 6
@@ -24,10 +25,10 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset :])
         if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
-            delta = text[len(prefix):]
+            delta = text[len(prefix) :]
             # keep a little context before the read point so word-initial spaces decode right
             self.prefix_offset = max(self.read_offset, len(self.ids) - CONTEXT_TOKENS)
             self.prefix_offset = min(self.prefix_offset, len(self.ids))
@@ -57,5 +58,5 @@ class StopFilter:
             self.pending = ""
             return buf
         keep = min(self.hold, len(buf))
-        self.pending = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep]
+        self.pending = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]

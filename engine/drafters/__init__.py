@@ -1,5 +1,5 @@
 from .base import Drafter, Proposal
-from .ngram import NgramDrafter
 from .model import ModelDrafter, TokenizerMismatchError
+from .ngram import NgramDrafter
 
-__all__ = ["Drafter", "Proposal", "NgramDrafter", "ModelDrafter", "TokenizerMismatchError"]
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "Proposal", "TokenizerMismatchError"]

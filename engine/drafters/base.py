@@ -4,6 +4,7 @@ Life cycle of a sequence as a drafter sees it: ``add`` (after the target's prefi
 round ``propose`` and ``commit`` (after acceptance: roll its state back to what was kept), and
 ``remove`` when the sequence leaves the engine.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
 class Proposal:
     tokens: torch.Tensor  # [batch, K] long on the target's device, padded past num[b]
     num: list[int]  # drafted tokens per row (<= the K asked for; may be 0)
-    probs: torch.Tensor | None  # [batch, K, vocab] draft distribution, None = one-hot (deterministic)
+    probs: (
+        torch.Tensor | None
+    )  # [batch, K, vocab] draft distribution, None = one-hot (deterministic)
     tokens_host: list[list[int]] | None = None  # when the drafter already has them on the host
 
 
@@ -38,7 +41,7 @@ class Drafter(ABC):
         """New sequences whose target prefill just ran."""
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], plan: "RoundPlan") -> Proposal:
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         """Up to ``plan.ks[b]`` tokens for row b (0 = none). A sampling drafter samples with the
         plan's row params and its ``draft_noise`` (Exp(1) draws from each row's generator)."""
 

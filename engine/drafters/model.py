@@ -10,6 +10,7 @@ Cache bookkeeping (the draft cache holds positions [0, draft_len) of the sequenc
     token unseen; the next ``propose`` takes them in (the catch-up feed).
 The same class serves the target itself as its own draft and its first N layers ("early exit").
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,8 @@ def check_same_vocab(target_tok, draft_tok) -> None:
     if target_tok.get_vocab() != draft_tok.get_vocab():
         raise TokenizerMismatchError(
             "the draft model's tokenizer differs from the target's: a draft model must share the "
-            "target's vocabulary (use the n-gram drafter, or a draft model of the same family)")
+            "target's vocabulary (use the n-gram drafter, or a draft model of the same family)"
+        )
 
 
 class ModelDrafter(Drafter):
@@ -64,7 +66,8 @@ class ModelDrafter(Drafter):
         temp, top_k, top_p = plan.temperature[idx], plan.top_k[idx], plan.top_p[idx]
         greedy = plan.greedy[idx]
         feed: list[list[int]] | torch.Tensor = [
-            seqs[b].tokens[cache.lengths[seqs[b].slot]:] for b in rows]  # catch-up feed
+            seqs[b].tokens[cache.lengths[seqs[b].slot] :] for b in rows
+        ]  # catch-up feed
         counts = [len(f) for f in feed]
         for j in range(kmax):
             active = [i for i, b in enumerate(rows) if ks[b] > j]
@@ -74,7 +77,9 @@ class ModelDrafter(Drafter):
                 temp, top_k, top_p, greedy = temp[idx], top_k[idx], top_p[idx], greedy[idx]
                 feed, counts = feed[idx], [counts[i] for i in active]
             slots = [seqs[b].slot for b in rows]
-            logits = self.runner.forward(feed, slots, counts=counts)[:, :self.vocab_size]  # [rows, vocab]
+            logits = self.runner.forward(feed, slots, counts=counts)[
+                :, : self.vocab_size
+            ]  # [rows, vocab]
             for s, n in zip(slots, counts):
                 cache.commit(s, cache.lengths[s] + n)
             q = logits_to_probs(logits[:, None], temp, top_k, top_p)[:, 0]  # [rows, vocab]

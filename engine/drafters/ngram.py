@@ -1,5 +1,6 @@
 """N-gram prompt lookup: no model, drafts by copying what followed the last n tokens earlier in
 the prompt + output (longest n first). Deterministic, so its q is one-hot."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,7 +26,7 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> 
         starts = hits + n  # where each match's continuation begins
         full = starts[starts + k <= length]
         start = int(full[-1]) if full.size else int(starts[0])
-        return tokens[start:start + k].tolist()
+        return tokens[start : start + k].tolist()
     return []
 
 
@@ -43,9 +44,13 @@ class NgramDrafter(Drafter):
 
     def propose(self, seqs: list[Sequence], plan) -> Proposal:
         ks = plan.ks
-        drafts = [ngram_lookup(np.asarray(s.tokens), k, self.min_n, self.max_n) if k > 0 else []
-                  for s, k in zip(seqs, ks)]
+        drafts = [
+            ngram_lookup(np.asarray(s.tokens), k, self.min_n, self.max_n) if k > 0 else []
+            for s, k in zip(seqs, ks)
+        ]
         width = max([len(d) for d in drafts] + [0])
         padded = [d + [0] * (width - len(d)) for d in drafts]
-        tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(len(seqs), width)
+        tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(
+            len(seqs), width
+        )
         return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None, tokens_host=drafts)

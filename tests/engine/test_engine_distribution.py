@@ -1,7 +1,6 @@
 """End to end through the engine (prefill, draft model or n-gram, verify, accept, cache commit)
 on tiny random models with an 8-token vocabulary: sampled output with speculation follows the
 target's exact distribution, computed by enumeration."""
-import itertools
 
 import pytest
 import torch
@@ -19,8 +18,15 @@ V = 8
 
 def tiny(seed):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     m = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # sharpen the output so distributions are far from uniform
         m.lm_head.weight.mul_(8.0)
@@ -29,11 +35,14 @@ def tiny(seed):
 
 def exact_joint(model, prompt, n_tokens, temperature, top_p):
     """P(t1..tn | prompt) for every outcome, by walking the tree of prefixes."""
+
     def probs(ids):
         with torch.no_grad():
             lg = model(torch.tensor([ids])).logits[:, -1:]
-        return logits_to_probs(lg, torch.tensor([temperature]), torch.tensor([0]),
-                               torch.tensor([top_p]))[0, 0].tolist()
+        return logits_to_probs(
+            lg, torch.tensor([temperature]), torch.tensor([0]), torch.tensor([top_p])
+        )[0, 0].tolist()
+
     joint = {}
 
     def walk(prefix, pr):
@@ -43,6 +52,7 @@ def exact_joint(model, prompt, n_tokens, temperature, top_p):
         for t, pt in enumerate(probs(prompt + prefix)):
             if pt > 0:
                 walk(prefix + [t], pr * pt)
+
     walk([], 1.0)
     return joint
 
@@ -50,6 +60,7 @@ def exact_joint(model, prompt, n_tokens, temperature, top_p):
 class SyntheticCost(RoundCost):
     """A made-up machine where each drafted token costs 10% of a round: K then moves with the
     requests' acceptance estimates."""
+
     def observe(self, *args):
         pass
 
@@ -61,10 +72,19 @@ def synthetic_adaptive():
     return AdaptiveK(4, cost=SyntheticCost())
 
 
-@pytest.mark.parametrize("drafter_kind,temperature,top_p,adaptive", [
-    ("model", 1.0, 1.0, False), ("model", 0.8, 0.9, False), ("ngram", 1.0, 1.0, False),
-    ("model", 1.0, 1.0, True), ("ngram", 0.8, 1.0, True)])
-def test_sampled_speculation_matches_target_distribution(drafter_kind, temperature, top_p, adaptive):
+@pytest.mark.parametrize(
+    "drafter_kind,temperature,top_p,adaptive",
+    [
+        ("model", 1.0, 1.0, False),
+        ("model", 0.8, 0.9, False),
+        ("ngram", 1.0, 1.0, False),
+        ("model", 1.0, 1.0, True),
+        ("ngram", 0.8, 1.0, True),
+    ],
+)
+def test_sampled_speculation_matches_target_distribution(
+    drafter_kind, temperature, top_p, adaptive
+):
     target = tiny(1)
     n_samples, n_tokens, k = 3000, 4, 2
     prompt = [1, 2, 3, 1, 2]  # repeats, so the n-gram drafter proposes
@@ -74,13 +94,27 @@ def test_sampled_speculation_matches_target_distribution(drafter_kind, temperatu
     else:
         drafter = NgramDrafter("cpu")
     controller = synthetic_adaptive() if adaptive else None
-    engine = SpecEngine(tr, drafter, eos_token_ids=[], max_prefill_per_step=64, controller=controller)
+    engine = SpecEngine(
+        tr, drafter, eos_token_ids=[], max_prefill_per_step=64, controller=controller
+    )
     # adaptive K is for unseeded requests (seeded sampling pins K to reproduce)
-    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n_tokens,
-                             seed=None if adaptive else i, ignore_eos=True) for i in range(n_samples)]
+    params = [
+        SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=n_tokens,
+            seed=None if adaptive else i,
+            ignore_eos=True,
+        )
+        for i in range(n_samples)
+    ]
     ks = []
-    seqs = engine.generate([prompt] * n_samples, params, SpecParams() if adaptive else SpecParams(k=k),
-                           on_step=lambda outs: ks.extend(o.stats.k for o in outs if o.stats))
+    seqs = engine.generate(
+        [prompt] * n_samples,
+        params,
+        SpecParams() if adaptive else SpecParams(k=k),
+        on_step=lambda outs: ks.extend(o.stats.k for o in outs if o.stats),
+    )
     drafted = sum(s.drafted for s in seqs)
     accepted = sum(s.accepted for s in seqs)
     # both accept and reject paths ran (adaptive K drafts less where acceptance is low)

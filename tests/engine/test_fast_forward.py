@@ -1,6 +1,7 @@
 """The fast forward path (engine/fast_forward.py): bucketing, padding rows that never touch a
 committed position, exact output through the compiled path (dynamo-only "eager" backend for the
 shape logic, inductor for the real thing), warm-up before ready, and the eager fallback."""
+
 import logging
 
 import pytest
@@ -36,8 +37,11 @@ def test_buckets():
 
 def test_handles_only_shapes_inside_the_buckets(models):
     e = engine_for(models, None)
-    f = FastForward(e.target, CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4],
-                                            q_buckets=[1, 3]), k_max=2)
+    f = FastForward(
+        e.target,
+        CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4], q_buckets=[1, 3]),
+        k_max=2,
+    )
     assert f.handles([0, 3], 3) and f.handles([1], 1)
     assert not f.handles([4], 1)  # slot 4 is past the largest batch bucket (rows are slots)
     assert not f.handles([0], 4)  # q past the largest q bucket: eager
@@ -48,9 +52,11 @@ def test_handles_only_shapes_inside_the_buckets(models):
 def test_padded_shape_is_the_bucket_the_forward_runs(models):
     e = engine_for(models, "ngram")
     assert e.target.padded_shape(3, 2) == (3, 2)  # eager: as given
-    e.target.fast = FastForward(e.target, CompileConfig(enabled=True, backend="eager",
-                                                        batch_buckets=[2, 4], q_buckets=[1, 4]),
-                                k_max=3)
+    e.target.fast = FastForward(
+        e.target,
+        CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4], q_buckets=[1, 4]),
+        k_max=3,
+    )
     assert e.target.padded_shape(1, 1) == (2, 1)
     assert e.target.padded_shape(3, 2) == (4, 4)
     assert e.target.padded_shape(3, 5) == (3, 5)  # past the q buckets: eager, unpadded
@@ -63,8 +69,9 @@ def test_fast_path_output_equals_eager(models, drafter):
     whose slots are not contiguous go through it; greedy output equals the eager engine's."""
     ps = prompts()
     ref = [s.output_ids for s in engine_for(models, drafter).generate(ps, GREEDY)]
-    e = compiled_engine(models, drafter, backend="eager", batch_buckets=[1, 2, 4, 8],
-                        q_buckets=[1, 2, 4, 9])
+    e = compiled_engine(
+        models, drafter, backend="eager", batch_buckets=[1, 2, 4, 8], q_buckets=[1, 2, 4, 9]
+    )
     e.warm_up()
     out = [s.output_ids for s in e.generate(ps, GREEDY)]
     assert out == ref
@@ -109,6 +116,7 @@ def test_inductor_compiled_engine_is_exact(models):
 def test_compile_failure_falls_back_to_eager(models, caplog):
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
+
     ps = prompts(3)
     ref = [s.output_ids for s in engine_for(models, "ngram").generate(ps, GREEDY)]
     e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
@@ -133,6 +141,7 @@ def test_worker_is_not_ready_until_warmed_up(models):
             w.check_admission(1)  # still warming: refused (HTTP 503)
         calls.append(1)
         real()
+
     e.warm_up = slow_warm_up
     w = EngineWorker(e)
     assert not w.warmed.is_set()

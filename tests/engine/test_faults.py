@@ -1,6 +1,7 @@
 """Fault injection: a failing drafter falls back to plain decoding (output still exact, fault
 counted); a failing target step fails only the requests in it; a stalled reader never blocks the
 engine (its outputs merge in a bounded buffer, losslessly)."""
+
 import asyncio
 
 import pytest
@@ -11,7 +12,6 @@ from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.worker import EngineError, EngineWorker
 from tests.engine.conftest import engine_for
-
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)), [7] * 5]
 GREEDY = SamplingParams(temperature=0, max_tokens=30)
@@ -24,14 +24,22 @@ def plain(models):
     """Target-only greedy outputs of PROMPTS (computed once)."""
     if not _plain:
         e = engine_for(models, None)
-        _plain["out"] = [s.output_ids for s in e.generate(PROMPTS, GREEDY, SpecParams(enabled=False))]
+        _plain["out"] = [
+            s.output_ids for s in e.generate(PROMPTS, GREEDY, SpecParams(enabled=False))
+        ]
     return _plain["out"]
 
 
 def idle(e):
-    return (not e.has_work() and e.target.cache.used_tokens() == 0
-            and (e.drafter is None or not hasattr(e.drafter, "cache")
-                 or e.drafter.cache.used_tokens() == 0))
+    return (
+        not e.has_work()
+        and e.target.cache.used_tokens() == 0
+        and (
+            e.drafter is None
+            or not hasattr(e.drafter, "cache")
+            or e.drafter.cache.used_tokens() == 0
+        )
+    )
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
@@ -40,6 +48,7 @@ def test_drafter_that_always_raises_falls_back_to_exact_plain_decoding(models, d
 
     def boom(*a, **k):
         raise RuntimeError("injected drafter fault")
+
     e.drafter.propose = boom
     seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
     assert [s.output_ids for s in seqs] == plain(models)
@@ -59,6 +68,7 @@ def test_drafter_failing_mid_propose_keeps_output_exact_and_later_requests_specu
         if calls["n"] == 6:
             raise RuntimeError("injected draft forward fault")
         return real(*a, **k)
+
     runner.forward = flaky
     seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
     assert [s.output_ids for s in seqs] == plain(models)
@@ -74,11 +84,14 @@ def test_other_drafter_faults_are_exact_and_counted(models, fault):
     e = engine_for(models, "model")
     d = e.drafter
     if fault == "malformed":
-        d.propose = lambda seqs, plan: Proposal(torch.zeros(len(seqs) + 1, 2, dtype=torch.long),
-                                                [2] * len(seqs), None)
+        d.propose = lambda seqs, plan: Proposal(
+            torch.zeros(len(seqs) + 1, 2, dtype=torch.long), [2] * len(seqs), None
+        )
     else:
+
         def boom(*a, **k):
             raise RuntimeError(f"injected {fault} fault")
+
         setattr(d, fault, boom)
     seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
     assert [s.output_ids for s in seqs] == plain(models)
@@ -87,8 +100,11 @@ def test_other_drafter_faults_are_exact_and_counted(models, fault):
 
 
 async def collect(w, rid, prompt, params, spec=None):
-    return [t async for o in w.submit(rid, prompt, params, spec or SpecParams(k=2))
-            for t in o.new_token_ids]
+    return [
+        t
+        async for o in w.submit(rid, prompt, params, spec or SpecParams(k=2))
+        for t in o.new_token_ids
+    ]
 
 
 def test_target_step_fault_fails_only_the_requests_in_the_step(models):
@@ -105,14 +121,17 @@ def test_target_step_fault_fails_only_the_requests_in_the_step(models):
         if calls["n"] == 3:
             raise RuntimeError("injected target fault")
         return real()
+
     e.step = faulty
     w.start()
     try:
+
         async def main():
             a = asyncio.create_task(collect(w, "a", PROMPTS[0], GREEDY))
             await asyncio.sleep(0)  # 'a' is submitted first
             b = asyncio.create_task(collect(w, "b", PROMPTS[1], GREEDY))
             return await asyncio.gather(a, b, return_exceptions=True)
+
         a, b = asyncio.run(asyncio.wait_for(main(), 60))
         assert isinstance(a, EngineError) and "injected" not in str(a)
         assert b == ref[1]
@@ -130,6 +149,7 @@ def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(models):
     w = EngineWorker(e, max_buffered=4)
     w.start()
     try:
+
         async def main():
             stalled = w.submit("stalled", PROMPTS[0], long, SpecParams(k=2))
             first = await stalled.__anext__()  # read one output, then stop reading
@@ -140,6 +160,7 @@ def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(models):
             buffered, merged = len(ch.items), ch.merged
             rest = [t async for o in stalled for t in o.new_token_ids]  # the reader comes back
             return other, first.new_token_ids + rest, buffered, merged
+
         other, stalled_out, buffered, merged = asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         w.shutdown()

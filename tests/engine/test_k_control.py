@@ -1,9 +1,17 @@
 """The K controllers on synthetic acceptance streams and synthetic round costs (no model)."""
+
 import numpy as np
 import pytest
 
-from engine.k_control import (AdaptiveK, EWLeastSquares, FixedK, HeuristicK, KState, RoundCost,
-                              expected_tokens)
+from engine.k_control import (
+    AdaptiveK,
+    EWLeastSquares,
+    FixedK,
+    HeuristicK,
+    KState,
+    RoundCost,
+    expected_tokens,
+)
 from engine.sampling import SamplingParams
 from engine.sequence import RoundStats, Sequence, SpecParams
 
@@ -12,8 +20,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10**6)
 
 def linear_cost(a, b, c, step=0.0):
     """A synthetic machine: T(B, w) = a + b·B + c·B·w, draft steps of ``step`` seconds."""
+
     def t(batch, width, steps):
         return a + b * batch + c * batch * width, steps * step
+
     return t
 
 
@@ -59,6 +69,8 @@ def mostly_zero(ks, ctrl):
     round after a probe at most."""
     nonzero = [k for k in ks if k]
     return len(nonzero) <= 2 * len(ks) / ctrl.probe_interval + 2 and max(ks) <= ctrl.probe_k
+
+
 CPU_LINEAR = linear_cost(0.010, 0.010, 0.010)  # each verified token costs a full token's time
 
 
@@ -123,7 +135,7 @@ def test_follows_a_change_of_alpha_within_bounded_rounds():
     ctrl = controller(CHEAP_VERIFY, probe_interval=16)
     ks = simulate(ctrl, [0.95] * 60 + [0.02] * 60 + [0.95] * 60, CHEAP_VERIFY, seed=3)
     assert min(ks[30:60]) >= 4  # predictable: large K
-    assert all(k <= ctrl.probe_k for k in ks[60 + 10:120])  # down within 10 rounds
+    assert all(k <= ctrl.probe_k for k in ks[60 + 10 : 120])  # down within 10 rounds
     recovered = next(i for i, k in enumerate(ks[120:]) if k >= 4)
     assert recovered <= ctrl.probe_interval + 10  # back up within a probe interval and a few rounds
 

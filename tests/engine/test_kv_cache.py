@@ -5,8 +5,15 @@ from engine.kv_cache import CacheFullError, SlotKVCache
 
 
 def make(slots=2):
-    return SlotKVCache(num_layers=2, num_slots=slots, kv_heads=1, head_dim=4, max_len=8,
-                       dtype=torch.float32, device="cpu")
+    return SlotKVCache(
+        num_layers=2,
+        num_slots=slots,
+        kv_heads=1,
+        head_dim=4,
+        max_len=8,
+        dtype=torch.float32,
+        device="cpu",
+    )
 
 
 def test_allocate_free_accounting():

@@ -26,6 +26,7 @@ def test_missing_package_and_path_are_clear_errors():
 
 def test_dtypes():
     import torch
+
     assert resolve_dtype("bf16") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
     with pytest.raises(ValueError):
         resolve_dtype("int3")
@@ -47,6 +48,7 @@ def test_mismatched_draft_tokenizer_refused():
 
 class _Evil:
     """Unpickling this writes a marker file: proof that a pickle was loaded."""
+
     def __init__(self, marker):
         self.marker = marker
 
@@ -61,9 +63,15 @@ def test_pickle_checkpoints_are_never_loaded(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
     from engine.loader import load_model
+
     folder, marker = tmp_path / "model", tmp_path / "unpickled"
-    LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2).save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    ).save_pretrained(folder)
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Evil(str(marker))))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: object())
     with pytest.raises(OSError, match="safetensors"):
@@ -75,6 +83,7 @@ def test_loader_asks_for_safetensors_and_no_remote_code_unless_configured(tmp_pa
     import transformers
 
     from engine.loader import load_model
+
     seen = []
 
     class Stop(Exception):
@@ -83,8 +92,10 @@ def test_loader_asks_for_safetensors_and_no_remote_code_unless_configured(tmp_pa
     def model_from_pretrained(where, **kw):
         seen.append(kw)
         raise Stop
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
-                        lambda where, **kw: seen.append(kw))
+
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda where, **kw: seen.append(kw)
+    )
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model_from_pretrained)
     for trust in (False, True):
         seen.clear()
@@ -94,4 +105,5 @@ def test_loader_asks_for_safetensors_and_no_remote_code_unless_configured(tmp_pa
         assert model_kw["use_safetensors"] is True
         assert tok_kw["trust_remote_code"] is trust and model_kw["trust_remote_code"] is trust
     from engine.config import ModelConfig
+
     assert ModelConfig().trust_remote_code is False

@@ -2,6 +2,7 @@
 target-only greedy output (transformers' own generate() as the independent reference), for each
 drafter, alone and batched; the KV caches after every round equal a fresh prefill; seeded
 sampling reproduces."""
+
 import pytest
 import torch
 
@@ -29,15 +30,26 @@ def reference(real_fp32, prompts):
     model, tok = real_fp32
     out = []
     for ids in prompts:
-        g = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        out.append(g[0, len(ids):].tolist())
+        g = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )
+        out.append(g[0, len(ids) :].tolist())
     return out
 
 
 def engine_for(real_fp32, method, **drafter):
-    cfg = EngineConfig.from_dict({"model": {"dtype": "float32"}, "max_running": 8,
-                                  "max_model_len": 1024, "drafter": {"method": method, **drafter}})
+    cfg = EngineConfig.from_dict(
+        {
+            "model": {"dtype": "float32"},
+            "max_running": 8,
+            "max_model_len": 1024,
+            "drafter": {"method": method, **drafter},
+        }
+    )
     return build_engine(cfg, real_fp32).engine
 
 
@@ -63,8 +75,12 @@ def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
 def test_self_draft_accepts_everything(real_fp32, prompts, reference):
     engine = engine_for(real_fp32, "self")
     rounds = []
-    seqs = run_each(engine, prompts, k=3, on_step=lambda outs: rounds.extend(
-        o for o in outs if o.stats is not None))
+    seqs = run_each(
+        engine,
+        prompts,
+        k=3,
+        on_step=lambda outs: rounds.extend(o for o in outs if o.stats is not None),
+    )
     assert_same(seqs, reference)
     assert sum(s.drafted for s in seqs) == sum(s.accepted for s in seqs) > 0  # acceptance 1.0
     for o in rounds:  # K+1 tokens per target pass, except where max_tokens or EOS cut the round
@@ -85,8 +101,9 @@ def test_bf16_draft_model_high_acceptance(real_fp32, prompts, reference):
     assert sum(s.accepted for s in seqs) > 0.8 * sum(s.drafted for s in seqs)
 
 
-@pytest.mark.parametrize("method,extra,k", [("ngram", {}, 4), ("self", {}, 3),
-                                            ("layers", {"num_layers": 15}, 2)])
+@pytest.mark.parametrize(
+    "method,extra,k", [("ngram", {}, 4), ("self", {}, 3), ("layers", {"num_layers": 15}, 2)]
+)
 def test_ragged_batch_is_lossless(real_fp32, prompts, reference, method, extra, k):
     engine = engine_for(real_fp32, method, **extra)
     assert len({len(p) for p in prompts}) > 4  # prompts of different lengths
@@ -102,7 +119,9 @@ def test_kv_caches_equal_fresh_prefill_after_every_round(real_fp32, prompts):
     fresh = engine_for(real_fp32, "none").target
     slot = fresh.cache.allocate()
     params = SamplingParams(temperature=0, max_tokens=20)
-    seqs = [engine.add_request(f"r{i}", p, params, SpecParams(k=3)) for i, p in enumerate(prompts[3:5])]
+    seqs = [
+        engine.add_request(f"r{i}", p, params, SpecParams(k=3)) for i, p in enumerate(prompts[3:5])
+    ]
     checked = 0
     while engine.has_work():
         engine.step()
@@ -141,13 +160,19 @@ def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method)
     assert a != c
 
 
-@pytest.mark.parametrize("method,extra", [("ngram", {}), ("self", {}), ("layers", {"num_layers": 15})])
+@pytest.mark.parametrize(
+    "method,extra", [("ngram", {}), ("self", {}), ("layers", {"num_layers": 15})]
+)
 def test_adaptive_k_is_lossless(real_fp32, prompts, reference, method, extra):
     """Adaptive K (the default controller, measured costs of this machine), batched: exact."""
     engine = engine_for(real_fp32, method, **extra)
     rounds = []
-    seqs = engine.generate(prompts, GREEDY, SpecParams(), on_step=lambda outs: rounds.extend(
-        o.stats for o in outs if o.stats is not None))
+    seqs = engine.generate(
+        prompts,
+        GREEDY,
+        SpecParams(),
+        on_step=lambda outs: rounds.extend(o.stats for o in outs if o.stats is not None),
+    )
     assert_same(seqs, reference)
     assert engine.controller.calibrated and engine.controller.cost.observed > 0
     assert all(0 <= r.k <= engine.k_max for r in rounds)

@@ -1,4 +1,5 @@
 """Our ragged forward over the slot cache against transformers' own forward (tiny random Llama)."""
+
 import pytest
 import torch
 
@@ -71,6 +72,7 @@ def test_forward_past_max_len_refused(tiny_llama):
 
 def test_unsupported_architecture_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         ModelRunner(m, 1, 16)

@@ -45,7 +45,9 @@ def test_min_n_excludes_short_matches():
 def test_proposal_is_ragged_and_one_hot():
     d = NgramDrafter("cpu")
     mk = lambda toks: Sequence("x", toks, SamplingParams(), SpecParams())
-    prop = d.propose([mk([1, 2, 3, 1, 2]), mk([4, 5, 6]), mk([1, 1, 1, 1])], SimpleNamespace(ks=[3, 3, 0]))
+    prop = d.propose(
+        [mk([1, 2, 3, 1, 2]), mk([4, 5, 6]), mk([1, 1, 1, 1])], SimpleNamespace(ks=[3, 3, 0])
+    )
     assert prop.num == [3, 0, 0] and prop.probs is None
     assert prop.tokens.shape == (3, 3) and prop.tokens[0].tolist() == [3, 1, 2]
     assert prop.tokens.dtype == torch.long

@@ -1,6 +1,7 @@
 """GGUF Q4_1 layers kept 4-bit (engine/quant.py) on the real SmolLM2 file: the converted matrices
 are the file's weights (logits equal the dense model's to float32 rounding), and speculation over
 the 4-bit target is lossless against the same target decoding alone."""
+
 import numpy as np
 import pytest
 import torch
@@ -9,8 +10,15 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.loader import resolve_spec
 from engine.model_runner import ModelRunner
-from engine.quant import (GROUP, Q4Weight, _blocks, _q8_0_blocks, _row_perm, convert_q4_1,
-                          convert_q8_0_head)
+from engine.quant import (
+    GROUP,
+    Q4Weight,
+    _blocks,
+    _q8_0_blocks,
+    _row_perm,
+    convert_q4_1,
+    convert_q8_0_head,
+)
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from tests.conftest import REAL_SPEC
@@ -21,13 +29,17 @@ pytestmark = pytest.mark.real_model
 def test_q4_1_block_layout():
     d, m = np.float16(0.5), np.float16(-1.0)
     qs = np.array([(j % 16) | ((15 - j % 16) << 4) for j in range(16)], dtype=np.uint8)
-    raw = np.concatenate([np.frombuffer(d.tobytes() + m.tobytes(), np.uint8), qs])[None]  # 1 row, 1 block
+    raw = np.concatenate([np.frombuffer(d.tobytes() + m.tobytes(), np.uint8), qs])[
+        None
+    ]  # 1 row, 1 block
     q, dd, mm = _blocks(raw, 1, GROUP)
     assert q[0, :16].tolist() == list(range(16)) and q[0, 16:].tolist() == list(range(15, -1, -1))
     assert dd[0, 0] == 0.5 and mm[0, 0] == -1.0
     assert sorted(_row_perm(8, 2).tolist()) == list(range(8))
     q8 = np.arange(-128, 128, 8, dtype=np.int8)  # one Q8_0 block: d, then 32 int8
-    q, dd = _q8_0_blocks(np.concatenate([np.frombuffer(d.tobytes(), np.uint8), q8.view(np.uint8)])[None], 1, GROUP)
+    q, dd = _q8_0_blocks(
+        np.concatenate([np.frombuffer(d.tobytes(), np.uint8), q8.view(np.uint8)])[None], 1, GROUP
+    )
     assert q[0].tolist() == q8.tolist() and dd[0, 0] == 0.5
     u = q8.astype(np.int32) + 128  # the two-nibble split of convert_q8_0_head is exact
     assert (16 * 0.5 * ((u >> 4) - 8) + 0.5 * ((u & 15) - 8) + 8 * 0.5 == 0.5 * q8).all()
@@ -55,14 +67,24 @@ def test_converted_weights_are_the_files(real_fp32):
 
 
 def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
-    cfg = EngineConfig.from_dict({"model": {"dtype": "float32", "native_q4": True},
-                                  "max_running": 4, "max_model_len": 512,
-                                  "drafter": {"method": "ngram"}})
+    cfg = EngineConfig.from_dict(
+        {
+            "model": {"dtype": "float32", "native_q4": True},
+            "max_running": 4,
+            "max_model_len": 512,
+            "drafter": {"method": "ngram"},
+        }
+    )
     engine = build_engine(cfg, real_fp32).engine
     assert isinstance(engine.target.weights[0][1], Q4Weight)
     _, tok = real_fp32
-    prompts = [tok(t, return_tensors=None)["input_ids"] for t in (
-        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "List the days of the week: Monday,")]
+    prompts = [
+        tok(t, return_tensors=None)["input_ids"]
+        for t in (
+            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+            "List the days of the week: Monday,",
+        )
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=24)
     plain = [s.output_ids for s in engine.generate(prompts, greedy, SpecParams(enabled=False))]
     spec = engine.generate(prompts, greedy, SpecParams(k=4))

@@ -1,4 +1,5 @@
 """The rejection sampler alone: exact cases and a statistical proof that output ~ target."""
+
 import math
 
 import pytest
@@ -18,8 +19,15 @@ def onehot_probs(rows):  # rows: list of list of argmax ids -> [batch, t, vocab=
 def run_greedy(p, drafts, num):
     B = p.shape[0]
     k = drafts.shape[1]
-    return rejection_sample(p, drafts, torch.tensor(num), None, torch.ones(B, dtype=torch.bool),
-                            torch.zeros(B, k), torch.ones(B, p.shape[-1]))
+    return rejection_sample(
+        p,
+        drafts,
+        torch.tensor(num),
+        None,
+        torch.ones(B, dtype=torch.bool),
+        torch.zeros(B, k),
+        torch.ones(B, p.shape[-1]),
+    )
 
 
 def test_greedy_perfect_match_takes_bonus():
@@ -68,8 +76,9 @@ def test_sampled_one_hot_draft_rejected_token_is_never_recovered():
     for _ in range(200):
         u = torch.rand(1, 1, generator=gen)
         e = torch.empty(1, 4).exponential_(generator=gen)
-        a, t = rejection_sample(p, torch.tensor([[0]]), torch.tensor([1]), None,
-                                torch.tensor([False]), u, e)
+        a, t = rejection_sample(
+            p, torch.tensor([[0]]), torch.tensor([1]), None, torch.tensor([False]), u, e
+        )
         if a.item() == 0:
             assert t.item() == 1
 
@@ -78,8 +87,15 @@ def test_sampled_draft_probs_equal_to_target_always_accept():
     p = torch.softmax(torch.randn(3, 4, 10), -1)
     drafts = torch.multinomial(p[:, :3].reshape(-1, 10), 1).reshape(3, 3)
     u = torch.rand(3, 3) * 0.999
-    a, _ = rejection_sample(p, drafts, torch.tensor([3, 3, 3]), p[:, :3].clone(),
-                            torch.zeros(3, dtype=torch.bool), u, torch.ones(3, 10))
+    a, _ = rejection_sample(
+        p,
+        drafts,
+        torch.tensor([3, 3, 3]),
+        p[:, :3].clone(),
+        torch.zeros(3, dtype=torch.bool),
+        u,
+        torch.ones(3, 10),
+    )
     assert a.tolist() == [3, 3, 3]
 
 
@@ -91,14 +107,26 @@ def _tv_bound(p: torch.Tensor, n: int) -> float:
 
 def _process(logits, temperature, top_p):
     from engine.sampling import logits_to_probs
+
     B = logits.shape[0]
-    return logits_to_probs(logits, torch.full((B,), temperature), torch.zeros(B, dtype=torch.long),
-                           torch.full((B,), top_p))
+    return logits_to_probs(
+        logits,
+        torch.full((B,), temperature),
+        torch.zeros(B, dtype=torch.long),
+        torch.full((B,), top_p),
+    )
 
 
-@pytest.mark.parametrize("k,temperature,top_p,one_hot", [
-    (1, 1.0, 1.0, False), (3, 0.7, 1.0, False), (5, 1.3, 0.9, False), (3, 1.0, 0.8, True),
-    (8, 1.0, 1.0, True)])
+@pytest.mark.parametrize(
+    "k,temperature,top_p,one_hot",
+    [
+        (1, 1.0, 1.0, False),
+        (3, 0.7, 1.0, False),
+        (5, 1.3, 0.9, False),
+        (3, 1.0, 0.8, True),
+        (8, 1.0, 1.0, True),
+    ],
+)
 def test_emitted_tokens_are_distributed_as_target(k, temperature, top_p, one_hot):
     """Fixed p and q per position (context-free), n = 120k draws in one batch: every position's
     emitted token (accepted draft, recovered or bonus) follows p, far from q."""
@@ -113,9 +141,15 @@ def test_emitted_tokens_are_distributed_as_target(k, temperature, top_p, one_hot
     if one_hot:  # a deterministic drafter always proposes the same tokens
         drafts = q.argmax(-1).expand(n, k).contiguous()
         q = torch.nn.functional.one_hot(q.argmax(-1), vocab).float()
-    a, t = rejection_sample(p.expand(n, k + 1, vocab), drafts, torch.full((n,), k), draft_probs,
-                            torch.zeros(n, dtype=torch.bool), torch.rand(n, k, generator=g),
-                            torch.empty(n, vocab).exponential_(generator=g))
+    a, t = rejection_sample(
+        p.expand(n, k + 1, vocab),
+        drafts,
+        torch.full((n,), k),
+        draft_probs,
+        torch.zeros(n, dtype=torch.bool),
+        torch.rand(n, k, generator=g),
+        torch.empty(n, vocab).exponential_(generator=g),
+    )
     for j in range(k + 1):  # position j is emitted iff a >= j
         reached = a >= j
         emitted = torch.where(a[reached] > j, drafts[reached, min(j, k - 1)], t[reached])
@@ -139,8 +173,14 @@ def test_acceptance_rate_matches_theory():
     p = torch.softmax(torch.randn(2, vocab, generator=g), -1)
     q = torch.softmax(torch.randn(1, vocab, generator=g), -1)
     drafts = torch.multinomial(q, n, replacement=True, generator=g).T  # [n, 1]
-    a, _ = rejection_sample(p.expand(n, 2, vocab), drafts, torch.ones(n, dtype=torch.long),
-                            q.expand(n, 1, vocab), torch.zeros(n, dtype=torch.bool),
-                            torch.rand(n, 1, generator=g), torch.ones(n, vocab))
+    a, _ = rejection_sample(
+        p.expand(n, 2, vocab),
+        drafts,
+        torch.ones(n, dtype=torch.long),
+        q.expand(n, 1, vocab),
+        torch.zeros(n, dtype=torch.bool),
+        torch.rand(n, 1, generator=g),
+        torch.ones(n, vocab),
+    )
     expected = float(torch.minimum(p[0], q[0]).sum())
     assert abs(float(a.float().mean()) - expected) < 5 * math.sqrt(expected * (1 - expected) / n)

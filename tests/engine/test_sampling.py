@@ -37,12 +37,23 @@ def test_top_p_always_keeps_the_top_token():
 
 def test_per_row_parameters():
     logits = torch.tensor([[[3.0, 2.0, 1.0]], [[3.0, 2.0, 1.0]]])
-    pr = logits_to_probs(logits, torch.tensor([1.0, 1.0]), torch.tensor([1, 0]), torch.tensor([1.0, 1.0]))
+    pr = logits_to_probs(
+        logits, torch.tensor([1.0, 1.0]), torch.tensor([1, 0]), torch.tensor([1.0, 1.0])
+    )
     assert pr[0, 0].tolist() == [1.0, 0.0, 0.0] and (pr[1, 0] > 0).all()
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                                dict(top_k=-1), dict(max_tokens=0), dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(max_tokens=0),
+        dict(temperature=float("nan")),
+    ],
+)
 def test_invalid_params_rejected(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)

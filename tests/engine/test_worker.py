@@ -1,5 +1,6 @@
 """The async engine worker: concurrent requests share rounds and each produces exactly what it
 produces alone; joins, aborts, queue limits, faults, chunked prefill and shutdown."""
+
 import asyncio
 
 import pytest
@@ -8,7 +9,6 @@ from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFullError
 from tests.engine.conftest import engine_for
-
 
 REQUESTS = [  # (prompt, params, K): different lengths, greedy and seeded sampling, mixed K
     ([1, 2, 3], SamplingParams(temperature=0, max_tokens=20), 3),
@@ -47,9 +47,12 @@ def test_concurrent_equals_alone(models, drafter):
     w = EngineWorker(e)
     w.start()
     try:
+
         async def main():
-            return await asyncio.gather(*(collect(w, f"r{i}", p, sp, k)
-                                          for i, (p, sp, k) in enumerate(REQUESTS)))
+            return await asyncio.gather(
+                *(collect(w, f"r{i}", p, sp, k) for i, (p, sp, k) in enumerate(REQUESTS))
+            )
+
         got = run(asyncio.wait_for(main(), 120))
     finally:
         w.shutdown()
@@ -68,15 +71,22 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
         victim_outs = []
 
         async def victim():
-            async for o in w.submit("v", list(range(5, 30)), SamplingParams(temperature=0, max_tokens=200),
-                                    SpecParams(k=3)):
+            async for o in w.submit(
+                "v",
+                list(range(5, 30)),
+                SamplingParams(temperature=0, max_tokens=200),
+                SpecParams(k=3),
+            ):
                 victim_outs.append(o)
                 if len(victim_outs) == 3:
                     return  # stop reading: the worker must abort it
+
         v = asyncio.create_task(victim())
         await asyncio.sleep(0.05)  # the others join while a and v are running
-        rest = [asyncio.create_task(collect(w, f"r{i}", p, sp, k))
-                for i, (p, sp, k) in enumerate(REQUESTS[1:], 1)]
+        rest = [
+            asyncio.create_task(collect(w, f"r{i}", p, sp, k))
+            for i, (p, sp, k) in enumerate(REQUESTS[1:], 1)
+        ]
         await v
         return [await first] + [await t for t in rest]
 
@@ -103,13 +113,17 @@ def test_queue_limit(models):
             w.check_admission(4)
 
         async def main():
-            gens = [w.submit(f"q{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50)) for i in range(4)]
+            gens = [
+                w.submit(f"q{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50))
+                for i in range(4)
+            ]
             firsts = [await g.__anext__() for g in gens[:3]]
             with pytest.raises(QueueFullError):
                 await gens[3].__anext__()
             for g in gens[:3]:
                 await g.aclose()
             return firsts
+
         assert len(run(main())) == 3
         for _ in range(100):
             if not e.has_work():
@@ -132,6 +146,7 @@ def test_step_fault_fails_running_requests_and_worker_keeps_serving(models):
         if calls["n"] == 2:
             raise RuntimeError("boom")
         return real()
+
     e.step = faulty
     try:
         with pytest.raises(EngineError):
@@ -149,7 +164,9 @@ def test_chunked_prefill_is_exact_and_interleaves(models):
     params = SamplingParams(temperature=0, max_tokens=12)
     ref = engine_for(models).generate([long_prompt], params, SpecParams(k=3))[0].output_ids
     e = engine_for(models, chunk=16)
-    short = e.add_request("s", [1, 2, 3], SamplingParams(temperature=0, max_tokens=40), SpecParams(k=2))
+    short = e.add_request(
+        "s", [1, 2, 3], SamplingParams(temperature=0, max_tokens=40), SpecParams(k=2)
+    )
     e.step()  # short is running
     seq = e.add_request("l", long_prompt, params, SpecParams(k=3))
     steps_while_prefilling = 0
@@ -170,11 +187,14 @@ def test_graceful_shutdown_finishes_running_then_refuses(models):
     w.start()
 
     async def main():
-        t = asyncio.create_task(collect(w, "s", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30), 2))
+        t = asyncio.create_task(
+            collect(w, "s", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30), 2)
+        )
         await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, w.shutdown, 30)
         return await t
+
     out = run(main())
     assert len(out) == 30 and not w.running
     with pytest.raises(NotAcceptingError):
@@ -187,6 +207,7 @@ def test_run_here_serves_then_drains_on_request_shutdown(models):
     ``request_shutdown`` (a signal handler) lets the running request finish, then the loop
     returns and new requests are refused."""
     import threading
+
     w = EngineWorker(engine_for(models))
     ref = alone(models)[0]
     result = {}
@@ -200,7 +221,9 @@ def test_run_here_serves_then_drains_on_request_shutdown(models):
             await asyncio.sleep(0.02)
             w.request_shutdown(30)
             result["out"] = await t
+
         asyncio.run(main())
+
     th = threading.Thread(target=client)
     th.start()
     w.run_here()  # returns once drained

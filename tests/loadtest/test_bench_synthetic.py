@@ -1,5 +1,6 @@
 """The benchmark-only synthetic acceptance rule (loadtest/bench_synthetic.py): it accepts each
 drafted token with probability α, and an engine that uses it is refused by the worker."""
+
 import types
 
 import pytest
@@ -20,14 +21,14 @@ def test_accepts_leading_drafts_at_rate_alpha():
     assert (num_acc <= num_draft).all()
     assert (num_acc[2::4] == 0).all()
     full = num_acc[0::4].float()
-    expected = sum(alpha ** j for j in range(1, k + 1))  # E[accepted] of a geometric run, cut at K
+    expected = sum(alpha**j for j in range(1, k + 1))  # E[accepted] of a geometric run, cut at K
     assert abs(full.mean().item() - expected) < 0.1
     rows = torch.arange(batch)
     assert torch.equal(nxt, probs[rows, num_acc].argmax(-1))
 
 
 def test_bound():
-    assert bound(0.8, 4, 0.0) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert bound(0.8, 4, 0.0) == pytest.approx((1 - 0.8**5) / 0.2)
     assert bound(0.6, 2, 0.5) == pytest.approx((1 + 0.6 + 0.36) / 2)
 
 

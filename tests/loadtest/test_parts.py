@@ -1,5 +1,6 @@
 """Pieces of the load generator that need no server: token spreading, percentiles, intervals,
 workloads and the time bounds of both load shapes."""
+
 import asyncio
 import json
 import statistics
@@ -41,9 +42,12 @@ def test_mean_ci_covers_mean_and_needs_two_values():
 
 def test_workloads_interleave_categories_and_read_jsonl(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "def f(x):", "category": "code"}) + "\n\n"
-                    + json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
-                    + "\n")
+    path.write_text(
+        json.dumps({"prompt": "def f(x):", "category": "code"})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+        + "\n"
+    )
     items = workloads.build(["mtbench:2", "humaneval", f"jsonl:{path}"], per_category=2)
     cats = [it.category for it in items]
     assert len(items) == 2 * 9 + 2  # 8 MT-Bench categories + humaneval, 2 each; 2 JSONL lines

@@ -1,5 +1,6 @@
 """The offline controller replay: traces are what n-gram lookup + greedy verification would do,
 and a replayed round emits exactly the accepted tokens plus one."""
+
 from engine.k_control import FixedK, HeuristicK
 from loadtest.replay_k import replay, trace
 

@@ -2,6 +2,7 @@
 child process (fp32) for 40 s; zero unexpected errors, every completed output exactly its
 reference (every abandoned one a prefix of it), KV cache back to zero, RSS growth after warm-up
 under 5%. The closing note's run: python -m loadtest.soak --duration 3600."""
+
 import pytest
 
 from loadtest.soak import DEFAULT_CONFIG, soak, specd_child
@@ -11,8 +12,17 @@ pytestmark = pytest.mark.real_model
 
 def test_soak_small():
     with specd_child(DEFAULT_CONFIG, clients=16) as (url, pid):
-        result = soak(url, clients=16, duration=40, warmup=10, max_tokens=24, disconnect=0.25,
-                      prompts=6, seed=1, pid=pid)
+        result = soak(
+            url,
+            clients=16,
+            duration=40,
+            warmup=10,
+            max_tokens=24,
+            disconnect=0.25,
+            prompts=6,
+            seed=1,
+            pid=pid,
+        )
     print(result.summary())
     assert result.ok, result.summary()
     assert result.completed > 0 and result.disconnected > 0

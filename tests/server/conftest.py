@@ -27,15 +27,22 @@ def free_port() -> int:
 
 def make_app(built, worker, **settings):
     cfg = built.config
-    limits = Limits(built.engine.target.max_len, built.engine.vocab_size, cfg.drafter.method,
-                    cfg.drafter.k_max)
+    limits = Limits(
+        built.engine.target.max_len, built.engine.vocab_size, cfg.drafter.method, cfg.drafter.k_max
+    )
     return create_app(worker, built.tokenizer, MODEL, limits, ServerSettings(**settings))
 
 
 @pytest.fixture(scope="session")
 def built(real_fp32):
-    cfg = EngineConfig.from_dict({"model": {"dtype": "float32", "name": MODEL}, "max_running": 8,
-                                  "max_model_len": 1024, "drafter": {"method": "ngram", "k": 4}})
+    cfg = EngineConfig.from_dict(
+        {
+            "model": {"dtype": "float32", "name": MODEL},
+            "max_running": 8,
+            "max_model_len": 1024,
+            "drafter": {"method": "ngram", "k": 4},
+        }
+    )
     return build_engine(cfg, real_fp32)
 
 
@@ -50,8 +57,9 @@ def serving(app, settings: ServerSettings | None = None, sndbuf: int | None = No
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, settings or ServerSettings(),
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn_config(app, "127.0.0.1", port, settings or ServerSettings(), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -71,8 +79,14 @@ def live(built):
     worker = EngineWorker(built.engine)
     worker.start()
     with serving(make_app(built, worker)) as url:
-        yield SimpleNamespace(base_url=f"{url}/v1", url=url, worker=worker, engine=built.engine,
-                              tokenizer=built.tokenizer, model=built.engine.target.model)
+        yield SimpleNamespace(
+            base_url=f"{url}/v1",
+            url=url,
+            worker=worker,
+            engine=built.engine,
+            tokenizer=built.tokenizer,
+            model=built.engine.target.model,
+        )
     worker.shutdown()
 
 
@@ -83,7 +97,13 @@ def target_greedy(real_fp32):
 
     def run(ids, max_tokens):
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        return out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+        return out[0, len(ids) :].tolist()
+
     return run

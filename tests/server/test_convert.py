@@ -1,4 +1,5 @@
 """The one HTTP -> engine conversion of the ``speculation`` extension: which defaults win."""
+
 import pytest
 
 from engine.sequence import SpecParams
@@ -22,22 +23,30 @@ def test_default_is_the_engine_controller_capped_by_the_server():
     assert spec(None, Limits(2048, 100, "none")).enabled is False
 
 
-@pytest.mark.parametrize("option,expected", [
-    ({}, SpecParams(enabled=True, k=None, k_max=6)),
-    ({"enabled": False}, SpecParams(enabled=False, k=None, k_max=6)),
-    ({"k": 3}, SpecParams(enabled=True, k=3, k_max=6)),  # a fixed K for every round
-    ({"k": 0}, SpecParams(enabled=False, k=0, k_max=6)),  # plain decoding
-    ({"k_max": 2}, SpecParams(enabled=True, k=None, k_max=2)),  # adaptive, at most 2
-    ({"k_max": 0}, SpecParams(enabled=False, k=None, k_max=0)),
-    ({"method": "ngram", "k": 6}, SpecParams(enabled=True, k=6, k_max=6)),
-])
+@pytest.mark.parametrize(
+    "option,expected",
+    [
+        ({}, SpecParams(enabled=True, k=None, k_max=6)),
+        ({"enabled": False}, SpecParams(enabled=False, k=None, k_max=6)),
+        ({"k": 3}, SpecParams(enabled=True, k=3, k_max=6)),  # a fixed K for every round
+        ({"k": 0}, SpecParams(enabled=False, k=0, k_max=6)),  # plain decoding
+        ({"k_max": 2}, SpecParams(enabled=True, k=None, k_max=2)),  # adaptive, at most 2
+        ({"k_max": 0}, SpecParams(enabled=False, k=None, k_max=0)),
+        ({"method": "ngram", "k": 6}, SpecParams(enabled=True, k=6, k_max=6)),
+    ],
+)
 def test_speculation_option(option, expected):
     assert spec(option) == expected
 
 
-@pytest.mark.parametrize("option,param", [
-    ({"k": 7}, "speculation.k"), ({"k_max": 9}, "speculation.k_max"),
-    ({"method": "draft"}, "speculation.method")])
+@pytest.mark.parametrize(
+    "option,param",
+    [
+        ({"k": 7}, "speculation.k"),
+        ({"k_max": 9}, "speculation.k_max"),
+        ({"method": "draft"}, "speculation.method"),
+    ],
+)
 def test_refused(option, param):
     with pytest.raises(APIError) as e:
         spec(option)

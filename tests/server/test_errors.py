@@ -1,4 +1,5 @@
 """Every refused request gets OpenAI's error shape and the right status; the server stays up."""
+
 import time
 
 import httpx
@@ -30,84 +31,103 @@ def assert_error(r, status, param=None):
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@pytest.mark.parametrize("patch,param", [
-    ({"model": "gpt-4"}, "model"),
-    ({"temperature": 3}, "temperature"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"temperature": "hot"}, "temperature"),  # wrong types
-    ({"stream": "maybe"}, "stream"),
-    ({"n": 1.5}, "n"),
-    ({"stop": 5}, "stop"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"seed": 2**70}, "seed"),
-    ({"messages": []}, "messages"),  # empty / malformed messages
-    ({"messages": "hi"}, "messages"),
-    ({"messages": ["hi"]}, "messages.0"),
-    ({"messages": [{"content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     None),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),  # unknown role
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 10**9}, "max_tokens"),
-    ({"n": 100}, "n"),
-    ({"n": 0}, "n"),
-    ({"stop": ["a", ""]}, "stop"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # logprobs above the cap
-    ({"speculation": {"k": 99}}, "speculation.k"),
-    ({"speculation": {"method": "draft"}}, "speculation.method"),
-])
+@pytest.mark.parametrize(
+    "patch,param",
+    [
+        ({"model": "gpt-4"}, "model"),
+        ({"temperature": 3}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),  # wrong types
+        ({"stream": "maybe"}, "stream"),
+        ({"n": 1.5}, "n"),
+        ({"stop": 5}, "stop"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": 2**70}, "seed"),
+        ({"messages": []}, "messages"),  # empty / malformed messages
+        ({"messages": "hi"}, "messages"),
+        ({"messages": ["hi"]}, "messages.0"),
+        ({"messages": [{"content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
+            None,
+        ),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),  # unknown role
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"n": 100}, "n"),
+        ({"n": 0}, "n"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # logprobs above the cap
+        ({"speculation": {"k": 99}}, "speculation.k"),
+        ({"speculation": {"method": "draft"}}, "speculation.method"),
+    ],
+)
 def test_chat_bad_fields(api, patch, param):
     r = api.post("/v1/chat/completions", json={**CHAT, **patch})
     assert_error(r, 400, param)
 
 
-@pytest.mark.parametrize("patch,param", [
-    ({"max_tokens": 10**9}, "max_tokens"),
-    ({"logprobs": 21}, "logprobs"),  # above the cap (max_logprobs = 20)
-    ({"logprobs": -1}, "logprobs"),
-    ({"n": 9}, "n"),
-    ({"prompt": ["x"] * 65}, "prompt"),  # prompts x n above max_choices
-    ({"prompt": ["x"] * 10, "n": 8}, "prompt"),
-    ({"prompt": {"text": "x"}}, "prompt"),
-    ({"echo": "sometimes"}, "echo"),
-    ({"model": "text-davinci-003"}, "model"),
-])
+@pytest.mark.parametrize(
+    "patch,param",
+    [
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"logprobs": 21}, "logprobs"),  # above the cap (max_logprobs = 20)
+        ({"logprobs": -1}, "logprobs"),
+        ({"n": 9}, "n"),
+        ({"prompt": ["x"] * 65}, "prompt"),  # prompts x n above max_choices
+        ({"prompt": ["x"] * 10, "n": 8}, "prompt"),
+        ({"prompt": {"text": "x"}}, "prompt"),
+        ({"echo": "sometimes"}, "echo"),
+        ({"model": "text-davinci-003"}, "model"),
+    ],
+)
 def test_completion_bad_fields(api, patch, param):
     r = api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, **patch})
     assert_error(r, 400, param)
 
 
-@pytest.mark.parametrize("raw,param", [
-    ('"temperature": NaN', "temperature"),
-    ('"temperature": Infinity', "temperature"),
-    ('"top_p": -Infinity', "top_p"),
-    ('"presence_penalty": NaN', "presence_penalty"),
-    ('"max_tokens": NaN', "max_tokens"),
-    ('"logit_bias": {"5": Infinity}', "logit_bias.5"),
-])
+@pytest.mark.parametrize(
+    "raw,param",
+    [
+        ('"temperature": NaN', "temperature"),
+        ('"temperature": Infinity', "temperature"),
+        ('"top_p": -Infinity', "top_p"),
+        ('"presence_penalty": NaN', "presence_penalty"),
+        ('"max_tokens": NaN', "max_tokens"),
+        ('"logit_bias": {"5": Infinity}', "logit_bias.5"),
+    ],
+)
 def test_nan_and_infinity_refused(api, raw, param):
     body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], {raw}}}'
-    r = api.post("/v1/chat/completions", content=body.encode(),
-                 headers={"content-type": "application/json"})
+    r = api.post(
+        "/v1/chat/completions", content=body.encode(), headers={"content-type": "application/json"}
+    )
     assert_error(r, 400, param)
 
 
-@pytest.mark.parametrize("body", [
-    b'{"model": "\xff\xfe", "prompt": "x"}',
-    b'{"model": "' + MODEL.encode() + b'", "prompt": "caf\xe9"}',
-    b'\xff\xfe\x00{',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "\xff\xfe", "prompt": "x"}',
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "caf\xe9"}',
+        b"\xff\xfe\x00{",
+    ],
+)
 def test_invalid_utf8_refused(api, body):
     with pytest.raises(UnicodeDecodeError):
         body.decode()
@@ -115,13 +135,16 @@ def test_invalid_utf8_refused(api, body):
     assert_error(r, 400)
 
 
-@pytest.mark.parametrize("body,ctype", [
-    (b"[1, 2, 3]", "application/json"),  # JSON, but not an object
-    (b'"prompt"', "application/json"),
-    (b"", "application/json"),
-    (b"{" * 100000, "application/json"),  # deeply nested garbage
-    (b'{"model": "x", "prompt": "x"', "application/json"),  # truncated
-])
+@pytest.mark.parametrize(
+    "body,ctype",
+    [
+        (b"[1, 2, 3]", "application/json"),  # JSON, but not an object
+        (b'"prompt"', "application/json"),
+        (b"", "application/json"),
+        (b"{" * 100000, "application/json"),  # deeply nested garbage
+        (b'{"model": "x", "prompt": "x"', "application/json"),  # truncated
+    ],
+)
 def test_malformed_bodies(api, body, ctype):
     assert_error(api.post("/v1/completions", content=body, headers={"content-type": ctype}), 400)
 
@@ -129,27 +152,45 @@ def test_malformed_bodies(api, body, ctype):
 def test_prompt_longer_than_context(api):
     r = api.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 2000, "max_tokens": 4})
     assert assert_error(r, 400, "prompt")["code"] == "context_length_exceeded"
-    r = api.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "word " * 1500}]})
+    r = api.post(
+        "/v1/chat/completions",
+        json={**CHAT, "messages": [{"role": "user", "content": "word " * 1500}]},
+    )
     assert_error(r, 400, "messages")
 
 
 @pytest.mark.parametrize("prompt", [[], "", [49152], [[1, 2], [-1]]])
 def test_bad_prompts(api, prompt):
-    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 400, "prompt")
+    assert_error(
+        api.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 400, "prompt"
+    )
 
 
 def test_invalid_json_and_missing_fields(api):
-    r = api.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = api.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert_error(r, 400)
     assert_error(api.post("/v1/chat/completions", json={"model": MODEL}), 400, "messages")
     assert_error(api.post("/v1/completions", json={"prompt": "x"}), 400, "model")
-    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"}),
-                 400, "max_tokens")
+    assert_error(
+        api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": "many"}),
+        400,
+        "max_tokens",
+    )
 
 
 def test_best_of_and_suffix_refused(api):
-    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3}), 400, "best_of")
-    assert_error(api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400, "suffix")
+    assert_error(
+        api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3}),
+        400,
+        "best_of",
+    )
+    assert_error(
+        api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}),
+        400,
+        "suffix",
+    )
 
 
 def test_not_found_and_method_not_allowed(api):
@@ -158,12 +199,18 @@ def test_not_found_and_method_not_allowed(api):
 
 
 def test_body_too_large(api, live):
-    r = api.post("/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"})
+    r = api.post(
+        "/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"}
+    )
     assert_error(r, 413)
     # chunked (no Content-Length): refused once the received bytes pass the limit
     chunks = (b"x" * 65536 for _ in range(40))
-    r = httpx.post(f"{live.base_url}/completions", content=chunks, timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{live.base_url}/completions",
+        content=chunks,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert_error(r, 413)
 
 
@@ -197,8 +244,14 @@ def test_ready_and_health(api):
 
 def test_disconnect_aborts_engine_work(live):
     engine = live.engine
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", f"{live.base_url}/completions", json=body) as r:
             lines = r.iter_lines()
@@ -231,6 +284,7 @@ def test_non_stream_disconnect_aborts(live):
 
 def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
     import openai
+
     client = openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=60)
     engine = live.engine
     real_step = engine.step
@@ -245,8 +299,12 @@ def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
     engine.step = failing_step
     try:
         stream = client.chat.completions.create(
-            model=MODEL, stream=True, max_tokens=200, temperature=0,
-            messages=[{"role": "user", "content": "Count from one to one hundred."}])
+            model=MODEL,
+            stream=True,
+            max_tokens=200,
+            temperature=0,
+            messages=[{"role": "user", "content": "Count from one to one hundred."}],
+        )
         with pytest.raises(openai.APIError) as exc:
             for _ in stream:
                 pass
@@ -254,8 +312,9 @@ def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
     finally:
         del engine.step  # back to the class method
     assert engine.target.cache.used_tokens() == 0 and not engine.running
-    r = client.chat.completions.create(model=MODEL, max_tokens=5, temperature=0,
-                                       messages=[{"role": "user", "content": "hi"}])
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=5, temperature=0, messages=[{"role": "user", "content": "hi"}]
+    )
     assert r.choices[0].message.content
 
 
@@ -265,6 +324,7 @@ class FullWorker:
 
     def check_admission(self, count):
         from engine.worker import QueueFullError
+
         raise QueueFullError("the server is at capacity (request queue full); retry later")
 
     def stats(self):

@@ -1,5 +1,6 @@
 """Fault injection through the HTTP server: a drafter that raises costs no token (the response is
 the one speculation off gives) and shows in specd_drafter_failures_total."""
+
 import json
 import time
 
@@ -13,14 +14,21 @@ pytestmark = pytest.mark.real_model
 
 
 def test_drafter_fault_falls_back_exactly_and_is_counted(live, monkeypatch):
-    body = {"model": MODEL, "max_tokens": 40, "temperature": 0,
-            "messages": [{"role": "user", "content": "Repeat exactly: red green blue red green blue"}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 40,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Repeat exactly: red green blue red green blue"}],
+    }
     with httpx.Client(base_url=live.base_url, timeout=120) as c:
         plain = c.post("/chat/completions", json={**body, "speculation": {"enabled": False}}).json()
-        before = total(scrape(httpx.get(f"{live.url}/metrics").text), "specd_drafter_failures_total")
+        before = total(
+            scrape(httpx.get(f"{live.url}/metrics").text), "specd_drafter_failures_total"
+        )
 
         def boom(*a, **k):
             raise RuntimeError("injected drafter fault")
+
         monkeypatch.setattr(live.engine.drafter, "propose", boom)
         r = c.post("/chat/completions", json={**body, "speculation": {"k": 4}})
         monkeypatch.undo()
@@ -31,7 +39,9 @@ def test_drafter_fault_falls_back_exactly_and_is_counted(live, monkeypatch):
         after = total(scrape(httpx.get(f"{live.url}/metrics").text), "specd_drafter_failures_total")
         assert after == before + 1
         again = c.post("/chat/completions", json={**body, "speculation": {"k": 4}}).json()
-        assert again["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        assert (
+            again["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        )
         assert again["usage"]["speculation"]["drafted_tokens"] > 0  # the drafter is back
 
 
@@ -59,18 +69,34 @@ def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(built, live,
     engine (KV cache freed). Then the client reads: every token is there."""
     engine, worker = live.engine, live.worker
     msgs = [{"role": "user", "content": "Count from 1 to 300, separated by commas."}]
-    big = {"model": MODEL, "max_tokens": 200, "temperature": 0, "messages": msgs,
-           "speculation": {"enabled": False}}  # one output per token: many outputs
+    big = {
+        "model": MODEL,
+        "max_tokens": 200,
+        "temperature": 0,
+        "messages": msgs,
+        "speculation": {"enabled": False},
+    }  # one output per token: many outputs
     monkeypatch.setattr(worker, "max_buffered", 4)
-    other = {"model": MODEL, "max_tokens": 24, "temperature": 0,
-             "messages": [{"role": "user", "content": "Name three colors."}]}
+    other = {
+        "model": MODEL,
+        "max_tokens": 24,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Name three colors."}],
+    }
     with httpx.Client(base_url=live.base_url, timeout=300) as c:
         ref_big = c.post("/chat/completions", json=big).json()["choices"][0]["message"]["content"]
-        ref_other = c.post("/chat/completions", json=other).json()["choices"][0]["message"]["content"]
-        with serving(make_app(built, worker), sndbuf=16384) as url, \
-                httpx.Client(base_url=f"{url}/v1", timeout=300) as stalled:
-            with stalled.stream("POST", "/chat/completions", json={
-                    **big, "n": 2, "stream": True, "logprobs": True, "top_logprobs": 20}) as r:
+        ref_other = c.post("/chat/completions", json=other).json()["choices"][0]["message"][
+            "content"
+        ]
+        with (
+            serving(make_app(built, worker), sndbuf=16384) as url,
+            httpx.Client(base_url=f"{url}/v1", timeout=300) as stalled,
+        ):
+            with stalled.stream(
+                "POST",
+                "/chat/completions",
+                json={**big, "n": 2, "stream": True, "logprobs": True, "top_logprobs": 20},
+            ) as r:
                 assert r.status_code == 200  # headers read; the body is left unread
                 got = c.post("/chat/completions", json=other).json()
                 assert got["choices"][0]["message"]["content"] == ref_other
@@ -88,11 +114,20 @@ def test_stream_closed_when_the_reader_stalls_past_the_send_timeout(built, live)
     stream: its request is aborted in the engine (KV slot freed) long before max_tokens."""
     engine, worker = live.engine, live.worker
     app = make_app(built, worker, stream_send_timeout_s=1.0)
-    body = {"model": MODEL, "max_tokens": 900, "temperature": 0, "stream": True, "n": 2,
-            "logprobs": True, "top_logprobs": 20,
-            "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]}
-    with serving(app, sndbuf=16384) as url, \
-            httpx.Client(base_url=f"{url}/v1", timeout=300) as stalled:
+    body = {
+        "model": MODEL,
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+    }
+    with (
+        serving(app, sndbuf=16384) as url,
+        httpx.Client(base_url=f"{url}/v1", timeout=300) as stalled,
+    ):
         with stalled.stream("POST", "/chat/completions", json=body) as r:
             assert r.status_code == 200
             deadline = time.time() + 30

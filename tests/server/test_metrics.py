@@ -1,6 +1,7 @@
 """/metrics after real traffic: counters equal the usage the responses reported, histogram counts
 equal what was served, the exposition parses; with Debian's prometheus, every recording rule and
 every dashboard query returns data, and promtool accepts the config and the rules."""
+
 import json
 import os
 import shutil
@@ -38,8 +39,11 @@ def total(samples: dict, name: str, **labels) -> float:
 
 
 def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
-    prompts = ["Repeat exactly: one two three one two three", "Name three colors.",
-               "List the numbers 1 to 10."]
+    prompts = [
+        "Repeat exactly: one two three one two three",
+        "Name three colors.",
+        "List the numbers 1 to 10.",
+    ]
     with TestClient(make_app(built, live.worker)) as c:
         usage = {"prompt": 0, "completion": 0, "drafted": 0, "accepted": 0, "passes": 0}
         sequences = requests = 0
@@ -47,21 +51,39 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
         def add(u):
             usage["prompt"] += u["prompt_tokens"]
             usage["completion"] += u["completion_tokens"]
-            for k, f in (("drafted", "drafted_tokens"), ("accepted", "accepted_tokens"),
-                         ("passes", "target_passes")):
+            for k, f in (
+                ("drafted", "drafted_tokens"),
+                ("accepted", "accepted_tokens"),
+                ("passes", "target_passes"),
+            ):
                 usage[k] += u["speculation"][f]
 
         for i, p in enumerate(prompts):
-            r = c.post("/v1/chat/completions", json={
-                "model": MODEL, "max_tokens": 24, "temperature": 0, "n": 1 + (i == 0),
-                "messages": [{"role": "user", "content": p}]})
+            r = c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "n": 1 + (i == 0),
+                    "messages": [{"role": "user", "content": p}],
+                },
+            )
             assert r.status_code == 200
             add(r.json()["usage"])
             sequences += 1 + (i == 0)
             requests += 1
-        with c.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20, "stream": True,
-                "stream_options": {"include_usage": True}}) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "def add(a, b):",
+                "max_tokens": 20,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         add(json.loads(events[-2])["usage"])
         sequences += 1
@@ -80,8 +102,9 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
     assert total(m, "specd_target_passes_total", **lab) == usage["passes"]
     assert total(m, "specd_draft_tokens_by_position_total") == usage["drafted"]
     assert total(m, "specd_accepted_tokens_by_position_total") == usage["accepted"]
-    assert total(m, "specd_accepted_tokens_by_position_total", position="1") <= \
-        total(m, "specd_draft_tokens_by_position_total", position="1")
+    assert total(m, "specd_accepted_tokens_by_position_total", position="1") <= total(
+        m, "specd_draft_tokens_by_position_total", position="1"
+    )
     # histograms: one observation per sequence / per token / per pass
     assert total(m, "specd_time_to_first_token_seconds_count") == sequences
     assert total(m, "specd_request_latency_seconds_count") == sequences
@@ -103,33 +126,57 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
 def dashboard_queries() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    return [e.replace("$model", ".*").replace("$drafter", ".*").replace("$__rate_interval", "1m")
-            for e in exprs]
+    return [
+        e.replace("$model", ".*").replace("$drafter", ".*").replace("$__rate_interval", "1m")
+        for e in exprs
+    ]
 
 
 def rule_names() -> list[str]:
     import yaml
+
     return [r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
 
 
-@pytest.mark.skipif(not shutil.which("prometheus") or not shutil.which("promtool"),
-                    reason="Debian's prometheus package is not installed (scripts/setup.sh installs it as root)")
+@pytest.mark.skipif(
+    not shutil.which("prometheus") or not shutil.which("promtool"),
+    reason="Debian's prometheus package is not installed (scripts/setup.sh installs it as root)",
+)
 def test_prometheus_rules_and_dashboard_queries_return_data(live):
     subprocess.run(["promtool", "check", "rules", str(RULES)], check=True, capture_output=True)
-    subprocess.run(["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
+        check=True,
+        capture_output=True,
+    )
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp) / "prometheus.yml"
-        cfg.write_text(json.dumps({  # YAML is a superset of JSON
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [{"job_name": "specd", "static_configs": [
-                {"targets": [live.url.removeprefix("http://")]}]}]}))
+        cfg.write_text(
+            json.dumps(
+                {  # YAML is a superset of JSON
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(RULES)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "specd",
+                            "static_configs": [{"targets": [live.url.removeprefix("http://")]}],
+                        }
+                    ],
+                }
+            )
+        )
         subprocess.run(["promtool", "check", "config", str(cfg)], check=True, capture_output=True)
-        prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp}/data",
-                                 f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        prom = subprocess.Popen(
+            [
+                "prometheus",
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             api = f"http://127.0.0.1:{port}/api/v1/query"
             client = openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0)
@@ -138,12 +185,23 @@ def test_prometheus_rules_and_dashboard_queries_return_data(live):
             missing = queries
             while missing and time.monotonic() < deadline:
                 # traffic in between scrapes, so that every rate has two samples that differ
-                client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, messages=[
-                    {"role": "user", "content": "Repeat: alpha beta gamma alpha beta gamma"}])
+                client.chat.completions.create(
+                    model=MODEL,
+                    max_tokens=12,
+                    temperature=0,
+                    messages=[
+                        {"role": "user", "content": "Repeat: alpha beta gamma alpha beta gamma"}
+                    ],
+                )
                 time.sleep(1)
                 try:
-                    missing = [q for q in missing
-                               if not httpx.get(api, params={"query": q}, timeout=5).json()["data"]["result"]]
+                    missing = [
+                        q
+                        for q in missing
+                        if not httpx.get(api, params={"query": q}, timeout=5).json()["data"][
+                            "result"
+                        ]
+                    ]
                 except httpx.HTTPError:  # prometheus still starting
                     continue
             assert not missing, f"queries without data: {missing}"
@@ -152,16 +210,28 @@ def test_prometheus_rules_and_dashboard_queries_return_data(live):
             prom.wait(10)
 
 
-@pytest.mark.skipif(not shutil.which("docker-compose"),
-                    reason="Debian's docker-compose client is not installed (scripts/setup.sh installs it as root)")
+@pytest.mark.skipif(
+    not shutil.which("docker-compose"),
+    reason="Debian's docker-compose client is not installed (scripts/setup.sh installs it as root)",
+)
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_compose_file_is_valid(profile):
     env = dict(os.environ, COMPOSE_PROFILES=profile)
-    r = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--services"],
-                       cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--services"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     services = set(r.stdout.split())
     assert {"prometheus", "grafana"} <= services
     assert ("specd" if profile == "gpu" else "specd-cpu") in services
@@ -170,6 +240,7 @@ def test_compose_file_is_valid(profile):
 def test_deployment_configs_parse():
     from engine.config import EngineConfig
     from server.settings import ServerSettings, load_config_file
+
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = EngineConfig.from_yaml(path)
         assert cfg.model.spec and cfg.drafter.controller in ("adaptive", "heuristic", "fixed")

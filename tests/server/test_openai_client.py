@@ -1,4 +1,5 @@
 """The official openai client (sync and async) against a live specd on the real model."""
+
 import asyncio
 
 import openai
@@ -21,12 +22,16 @@ def test_models(client):
 
 def test_chat_greedy_equals_target_only_greedy(client, live, target_greedy):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=40)
-    ids = live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     ref = target_greedy(list(ids), 40)
     assert r.choices[0].message.content == live.tokenizer.decode(ref, skip_special_tokens=True)
     assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
-    assert r.choices[0].finish_reason == ("stop" if ref[-1] == live.tokenizer.eos_token_id else "length")
+    assert r.choices[0].finish_reason == (
+        "stop" if ref[-1] == live.tokenizer.eos_token_id else "length"
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
 
 
@@ -42,7 +47,9 @@ def test_completion_stream_concatenates_to_non_stream(client):
 def test_chat_stream_with_usage(client):
     kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=30)
     full = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -53,8 +60,12 @@ def test_chat_stream_with_usage(client):
 
 
 def test_seed_reproduces_and_differs(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a short story."}],
-              temperature=1.0, max_tokens=24)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a short story."}],
+        temperature=1.0,
+        max_tokens=24,
+    )
     a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
     b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
     c = client.chat.completions.create(seed=8, **kw).choices[0].message.content
@@ -62,8 +73,9 @@ def test_seed_reproduces_and_differs(client):
 
 
 def test_n_choices(client):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=1.0, seed=3, n=3,
-                                       max_tokens=12)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=1.0, seed=3, n=3, max_tokens=12
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert len({c.message.content for c in r.choices}) > 1
 
@@ -71,12 +83,15 @@ def test_n_choices(client):
 def test_stop_string_is_honoured(client):
     kw = dict(model=MODEL, prompt="def fibonacci(n):\n", temperature=0, max_tokens=48)
     full = client.completions.create(**kw).choices[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     cut = full.index(stop)
     for stream in (False, True):
         if stream:
-            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, stop=[stop], **kw)
-                           if c.choices)
+            text = "".join(
+                c.choices[0].text
+                for c in client.completions.create(stream=True, stop=[stop], **kw)
+                if c.choices
+            )
         else:
             r = client.completions.create(stop=stop, **kw)
             text = r.choices[0].text
@@ -88,20 +103,24 @@ def test_prompt_forms_and_echo(client, live):
     ids = live.tokenizer("The capital of France is")["input_ids"]
     r = client.completions.create(model=MODEL, prompt=[ids, ids[:3]], temperature=0, max_tokens=5)
     assert [c.index for c in r.choices] == [0, 1]
-    s = client.completions.create(model=MODEL, prompt=["The capital of France is", "Hello"],
-                                  temperature=0, max_tokens=5)
+    s = client.completions.create(
+        model=MODEL, prompt=["The capital of France is", "Hello"], temperature=0, max_tokens=5
+    )
     assert s.choices[0].text == r.choices[0].text and len(s.choices) == 2
-    t = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                  max_tokens=5)
+    t = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5
+    )
     assert r.choices[0].text == t.choices[0].text
-    e = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
-                                  max_tokens=5, echo=True)
+    e = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, echo=True
+    )
     assert e.choices[0].text == "The capital of France is" + t.choices[0].text
 
 
 def test_chat_logprobs(client):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=12,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for t in content:
@@ -111,15 +130,18 @@ def test_chat_logprobs(client):
 
 def test_completion_logprobs_match_target_model(client, live):
     import torch
+
     prompt = "The quick brown fox"
-    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6, logprobs=2)
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=6, logprobs=2
+    )
     lp = r.choices[0].logprobs
     ids = live.tokenizer(prompt)["input_ids"]
     out = live.tokenizer(prompt + r.choices[0].text)["input_ids"]
     with torch.inference_mode():
         ref = torch.log_softmax(live.model(torch.tensor([out])).logits[0].float(), -1)
-    if out[:len(ids)] == ids:  # the text re-tokenizes to the same tokens
-        for j, value in enumerate(lp.token_logprobs[:len(out) - len(ids)]):
+    if out[: len(ids)] == ids:  # the text re-tokenizes to the same tokens
+        for j, value in enumerate(lp.token_logprobs[: len(out) - len(ids)]):
             assert abs(value - float(ref[len(ids) + j - 1, out[len(ids) + j]])) < 1e-3
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
 
@@ -127,13 +149,21 @@ def test_completion_logprobs_match_target_model(client, live):
 def test_async_client_streams_concurrently(live):
     async def main():
         c = openai.AsyncOpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120)
+
         async def one(q):
-            s = await c.chat.completions.create(model=MODEL, stream=True, temperature=0, max_tokens=16,
-                                                messages=[{"role": "user", "content": q}])
+            s = await c.chat.completions.create(
+                model=MODEL,
+                stream=True,
+                temperature=0,
+                max_tokens=16,
+                messages=[{"role": "user", "content": q}],
+            )
             return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+
         qs = ["What is 2+2?", "Name a fruit.", "Say hello."]
         together = await asyncio.gather(*(one(q) for q in qs))
         alone = [await one(q) for q in qs]
         return together, alone
+
     together, alone = asyncio.run(main())
     assert together == alone and all(together)

@@ -7,20 +7,22 @@ The engine is a tiny random Llama with the real tokenizer's vocabulary (fast; th
 does not depend on the weights). Examples per operation: SPECD_SCHEMATHESIS_EXAMPLES (default
 15); a longer run: SPECD_SCHEMATHESIS_EXAMPLES=500 pytest tests/server/test_schemathesis.py
 """
+
 import json
 import os
 
 import pytest
 import schemathesis
-import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from schemathesis import GenerationMode
+
 # imported at collection, while the process has one thread: imported lazily inside the schema
 # fixture, pytest's assertion rewriting parsed schemathesis' modules while the live server's
 # threads could compile code too, and CPython 3.11's AST state is not thread-safe (one suite run
 # failed with "AST constructor recursion depth mismatch").
-import schemathesis.specs.openapi.schemas  # noqa: F401
+import schemathesis.specs.openapi.schemas
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,17 +38,28 @@ from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.real_model  # the real tokenizer
 EXAMPLES = int(os.environ.get("SPECD_SCHEMATHESIS_EXAMPLES", "15"))
-SLOW = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+SLOW = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_app(real_fp32):
     tok = real_fp32[1]
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32,
-                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    )
     runner = ModelRunner(LlamaForCausalLM(cfg).eval(), num_slots=4, max_len=192)
     engine = SpecEngine(runner, NgramDrafter("cpu"), eos_token_ids=[tok.eos_token_id])
     worker = EngineWorker(engine, max_queued=64)
@@ -79,8 +92,18 @@ def check_stream(path: str, response) -> None:
 STATUSES: dict = {}  # (method path, stream) -> {status: count}, to show what was exercised
 
 
-UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "best_of", "suffix",
-               "tools", "tool_choice", "response_format", "speculation", "top_logprobs")
+UNSUPPORTED = (
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "best_of",
+    "suffix",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "speculation",
+    "top_logprobs",
+)
 
 
 def small(case, stream: bool | None) -> None:
@@ -116,23 +139,33 @@ def operations(schema):
     return {(op.ok().method.upper(), op.ok().path): op.ok() for op in schema.get_all_operations()}
 
 
-OPERATIONS = [("POST", "/v1/completions", False), ("POST", "/v1/completions", True),
-              ("POST", "/v1/chat/completions", False), ("POST", "/v1/chat/completions", True),
-              ("GET", "/v1/models", None), ("GET", "/health", None), ("GET", "/ready", None),
-              ("GET", "/metrics", None)]
+OPERATIONS = [
+    ("POST", "/v1/completions", False),
+    ("POST", "/v1/completions", True),
+    ("POST", "/v1/chat/completions", False),
+    ("POST", "/v1/chat/completions", True),
+    ("GET", "/v1/models", None),
+    ("GET", "/health", None),
+    ("GET", "/ready", None),
+    ("GET", "/metrics", None),
+]
 
 
 def test_schema_lists_every_operation(api_schema):
     assert set(operations(api_schema)) == {(m, p) for m, p, _ in OPERATIONS}
 
 
-@pytest.mark.parametrize("method,path,stream", OPERATIONS,
-                         ids=[f"{m} {p}{'' if s is None else ' stream' if s else ' json'}"
-                              for m, p, s in OPERATIONS])
+@pytest.mark.parametrize(
+    "method,path,stream",
+    OPERATIONS,
+    ids=[f"{m} {p}{'' if s is None else ' stream' if s else ' json'}" for m, p, s in OPERATIONS],
+)
 def test_operation(api_schema, method, path, stream):
     op = operations(api_schema)[(method, path)]
-    cases = st.one_of(op.as_strategy(GenerationMode.POSITIVE).map(lambda c: (c, True)),
-                      op.as_strategy(GenerationMode.NEGATIVE).map(lambda c: (c, False)))
+    cases = st.one_of(
+        op.as_strategy(GenerationMode.POSITIVE).map(lambda c: (c, True)),
+        op.as_strategy(GenerationMode.NEGATIVE).map(lambda c: (c, False)),
+    )
 
     @given(tagged=cases)
     @SLOW
@@ -148,6 +181,7 @@ def test_operation(api_schema, method, path, stream):
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
         if response.status_code == 200 and stream:
             check_stream(path, response)
+
     run()
     seen = STATUSES[(f"{method} {path}", stream)]
     print(f"{method} {path} stream={stream}: statuses {sorted(seen.items())}")

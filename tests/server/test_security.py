@@ -1,7 +1,7 @@
 """Security posture: no internals in responses, CORS off unless configured, header and body read
 deadlines, constant-time API-key comparison."""
+
 import socket
-import time
 
 import httpx
 import pytest
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.real_model
 def test_internal_exception_leaks_nothing(built, live, monkeypatch):
     def explode(*a, **k):
         raise RuntimeError("/srv/secret/path.py line 7: password=hunter2")
+
     monkeypatch.setattr(app_module, "chat_job", explode)
     with TestClient(make_app(built, live.worker), raise_server_exceptions=False) as c:
         r = c.post("/v1/chat/completions", json=CHAT)
@@ -33,6 +34,7 @@ def test_engine_refusal_text_stays_in_the_log(built, live, monkeypatch):
 
     def refuse(*a, **k):
         raise RuntimeError("/srv/secret/engine.py: internal detail")
+
     monkeypatch.setattr(engine, "add_request", refuse)
     with TestClient(make_app(built, live.worker)) as c:
         r = c.post("/v1/chat/completions", json=CHAT)
@@ -44,21 +46,30 @@ def test_cors_off_by_default(built, live):
     with TestClient(make_app(built, live.worker)) as c:
         r = c.get("/v1/models", headers={"Origin": "https://evil.example"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
-        r = c.options("/v1/chat/completions", headers={
-            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        r = c.options(
+            "/v1/chat/completions",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
         assert "access-control-allow-origin" not in r.headers
 
 
 def test_cors_only_for_configured_origins(built, live):
     ok = "https://app.example"
     with TestClient(make_app(built, live.worker, cors_origins=[ok], api_keys=["k"])) as c:
-        r = c.options("/v1/chat/completions", headers={
-            "Origin": ok, "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization,content-type"})
+        r = c.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": ok,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ok
         r = c.get("/v1/models", headers={"Origin": ok, "Authorization": "Bearer k"})
         assert r.headers["access-control-allow-origin"] == ok
-        r = c.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+        r = c.get(
+            "/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer k"}
+        )
         assert "access-control-allow-origin" not in r.headers
 
 
@@ -69,6 +80,7 @@ def test_api_key_compare_is_constant_time(built, live, monkeypatch):
     def spy(a, b):
         calls.append((a, b))
         return real(a, b)
+
     monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
     with TestClient(make_app(built, live.worker, api_keys=["k1", "k2"])) as c:
         assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
@@ -109,8 +121,10 @@ def test_slow_request_head_is_cut_off(strict):
 
 def test_slow_body_gets_408(strict):
     with connect(strict) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"model\":")  # 10 of 100 bytes, then nothing
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model":'
+        )  # 10 of 100 bytes, then nothing
         reply = read_all(s)
     assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply
 

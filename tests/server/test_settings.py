@@ -28,10 +28,13 @@ def test_defaults_are_safe():
 
 def test_unknown_key_refused():
     import pytest
+
     with pytest.raises(ValueError):
         ServerSettings.from_sources({"prot": 1}, env={})
 
 
 def test_env_key_used_when_flag_absent():
-    s = ServerSettings.from_sources({}, env={"SPECD_API_KEY": "a"}, flags={"api_keys": None, "port": None})
+    s = ServerSettings.from_sources(
+        {}, env={"SPECD_API_KEY": "a"}, flags={"api_keys": None, "port": None}
+    )
     assert s.api_keys == ["a"]

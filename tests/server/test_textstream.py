@@ -8,11 +8,14 @@ def tok(real_fp32):
     return real_fp32[1]
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world! Ünïcödé — 日本語のテキスト and emoji 🎉🚀 mixed in.",
-    "def f(x):\n    return x ** 2  # squares\n\n\tindent",
-    "  leading spaces and trailing  ",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! Ünïcödé — 日本語のテキスト and emoji 🎉🚀 mixed in.",
+        "def f(x):\n    return x ** 2  # squares\n\n\tindent",
+        "  leading spaces and trailing  ",
+    ],
+)
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
 def test_incremental_equals_full_decode(tok, text, chunk):
     ids = tok(text)["input_ids"]
@@ -20,7 +23,7 @@ def test_incremental_equals_full_decode(tok, text, chunk):
     d = IncrementalDetokenizer(tok, prompt)
     out = []
     for i in range(0, len(ids), chunk):
-        piece = d.add(ids[i:i + chunk], final=i + chunk >= len(ids))
+        piece = d.add(ids[i : i + chunk], final=i + chunk >= len(ids))
         assert "\ufffd" not in piece
         out.append(piece)
     assert "".join(out) == tok.decode(ids, skip_special_tokens=True)
