@@ -80,6 +80,18 @@ class StepOutput:
     passes: int = 1  # target passes this output covers (more when a reader's buffer merged outputs)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of what the engine holds (read by the worker for metrics and admission)."""
+
+    running: int  # sequences holding a KV slot (prefilling or decoding)
+    waiting: int  # sequences queued for a slot
+    kv_used_tokens: int
+    kv_free_slots: int
+    kv_slots: int
+    drafter_failures: int
+
+
 class SpecEngine:
     def __init__(
         self,
@@ -110,6 +122,36 @@ class SpecEngine:
         # the round's acceptance rule; only loadtest/bench_synthetic.py swaps it (a synthetic
         # acceptance rate, not lossless), and the worker refuses to serve an engine where it did
         self.accept = rejection_sample
+
+    # -- what the worker reads (engine/worker.py's Engine protocol) ---------------------------
+    @property
+    def lossless(self) -> bool:
+        """True unless a benchmark swapped the acceptance rule (the worker refuses to serve it)."""
+        return self.accept is rejection_sample
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences that can hold a KV slot at once."""
+        return self.target.cache.num_slots
+
+    def load(self) -> EngineLoad:
+        cache = self.target.cache
+        return EngineLoad(
+            running=len(self.running) + len(self.prefilling),
+            waiting=len(self.waiting),
+            kv_used_tokens=cache.used_tokens(),
+            kv_free_slots=cache.num_free(),
+            kv_slots=cache.num_slots,
+            drafter_failures=self.drafter_failures,
+        )
+
+    def held_ids(self) -> list[str]:
+        """Request ids of the sequences holding a slot (prefilling or running)."""
+        return [s.request_id for s in (*self.running, *self.prefilling)]
+
+    def waiting_ids(self) -> list[str]:
+        """Request ids of the sequences queued for a slot."""
+        return [s.request_id for s in self.waiting]
 
     def runners(self) -> list[ModelRunner]:
         """The target's runner, then the draft model's when the drafter has one."""
