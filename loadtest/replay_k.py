@@ -116,7 +116,7 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     base = EngineConfig.from_yaml(args.config)
     base.model.dtype = args.dtype
-    pair = load_model(base.model.spec, args.dtype, base.model.device, base.cache_dir)
+    pair = load_model(base.model.source, args.dtype, base.model.device, base.cache_dir)
     cfg = EngineConfig.from_dict(
         {
             "model": vars(base.model),

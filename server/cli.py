@@ -94,9 +94,9 @@ def cmd_prepare(args) -> int:
     from engine.loader import prepare
 
     cfg = _config(args)
-    print(prepare(cfg.model.spec, cfg.cache_dir))
-    if cfg.drafter.method == "model" and cfg.drafter.spec:
-        print(prepare(cfg.drafter.spec, cfg.cache_dir))
+    print(prepare(cfg.model.source, cfg.cache_dir))
+    if cfg.drafter.method == "model" and cfg.drafter.source:
+        print(prepare(cfg.drafter.source, cfg.cache_dir))
     return 0
 
 

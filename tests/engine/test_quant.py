@@ -8,7 +8,7 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.loader import resolve_spec
+from engine.loader import resolve_source
 from engine.model_runner import ModelRunner
 from engine.quant import (
     GROUP,
@@ -50,7 +50,7 @@ def test_converted_weights_are_the_files(real_fp32):
     dense = ModelRunner(model, 1, 256)
     q4 = ModelRunner(model, 1, 256)
     unfused = ModelRunner(model, 1, 256)
-    path = resolve_spec(REAL_SPEC).location
+    path = resolve_source(REAL_SPEC).location
     assert convert_q4_1(path, q4) == 210  # 30 x 7
     assert convert_q4_1(path, unfused, fuse=False) == 210
     assert convert_q8_0_head(path, q4) and convert_q8_0_head(path, unfused)

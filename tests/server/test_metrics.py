@@ -243,7 +243,7 @@ def test_deployment_configs_parse():
 
     for path in sorted((ROOT / "configs").glob("*.yaml")):
         cfg = EngineConfig.from_yaml(path)
-        assert cfg.model.spec and cfg.drafter.controller in ("adaptive", "heuristic", "fixed")
+        assert cfg.model.source and cfg.drafter.controller in ("adaptive", "heuristic", "fixed")
         ServerSettings.from_sources(load_config_file(path).get("server"), env={})
     gpu = EngineConfig.from_yaml(ROOT / "configs" / "gpu-qwen2.5-7b.yaml")
-    assert gpu.model.device == "cuda" and gpu.drafter.method == "model" and gpu.drafter.spec
+    assert gpu.model.device == "cuda" and gpu.drafter.method == "model" and gpu.drafter.source
