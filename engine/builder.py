@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .config import EngineConfig
-from .drafters import ModelDrafter, NgramDrafter
+from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.model import check_same_vocab
 from .engine import SpecEngine
 from .fast_forward import attach
@@ -57,12 +58,12 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     m = cfg.model
-    model, tok = target or load_model(
-        m.source, m.dtype, m.device, cfg.cache_dir, m.trust_remote_code
-    )
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+    model, tok = target or load_model(m.source, m.dtype, m.device, cache_dir, m.trust_remote_code)
     runner = ModelRunner(model, cfg.max_running, cfg.max_model_len)
     d = cfg.drafter
     vocab = runner.vocab_size
+    drafter: Drafter | None
     if d.method == "none":
         drafter = None
     elif d.method == "ngram":
@@ -73,9 +74,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
             raise ValueError("drafter.method 'layers' needs drafter.num_layers")
         draft_model = model
         if d.dtype and d.dtype != m.dtype:
-            draft_model, _ = load_model(
-                m.source, d.dtype, m.device, cfg.cache_dir, m.trust_remote_code
-            )
+            draft_model, _ = load_model(m.source, d.dtype, m.device, cache_dir, m.trust_remote_code)
         drafter = ModelDrafter(
             ModelRunner(draft_model, cfg.max_running, runner.max_len, layers, name="draft"),
             vocab,
@@ -85,7 +84,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         if not d.source:
             raise ValueError("drafter.method 'model' needs drafter.source")
         dm, dtok = load_model(
-            d.source, d.dtype or m.dtype, m.device, cfg.cache_dir, m.trust_remote_code
+            d.source, d.dtype or m.dtype, m.device, cache_dir, m.trust_remote_code
         )
         check_same_vocab(tok, dtok)
         drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
@@ -100,6 +99,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         cfg.prefill_chunk_tokens,
         make_controller(d, drafter),
         d.k_max,
+        cfg.max_slots_per_request,
     )
     if m.native_q4:
         use_native_q4(m.source, *engine.runners())

@@ -64,6 +64,9 @@ class EngineConfig:
     max_running: int = 16  # KV cache slots
     max_model_len: int = 2048  # tokens per slot (prompt + output)
     max_prefill_per_step: int = 4  # sequences prefilling at once
+    # KV slots the choices of one request may hold at once (None: 3/4 of max_running), so a
+    # request with many choices leaves room for others (engine/scheduler.py)
+    max_slots_per_request: int | None = None
     prefill_chunk_tokens: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
@@ -84,4 +87,4 @@ class EngineConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
-        return cls.from_dict(data.get("engine", data))
+        return cls.from_dict(data.get("engine", data) or {})

@@ -1,10 +1,9 @@
 """The fast forward path: fixed-shape, compiled decode / verify / draft-step forwards.
 
 Like gpt-fast, small forwards run ``torch.compile``d over a small, known set of shapes, which
-removes per-operator overhead and, on CUDA, launch overhead (CUDA graphs). On the 2-core CPU
-machine our eager decoder loop has little overhead left (~75% of a SmolLM2 decode step is
-``aten::mm``): compiling measured 0.90-1.17x per step (loadtest/results/bench_steps_*.txt).
-The shapes:
+removes per-operator overhead and, on CUDA, launch overhead (CUDA graphs). On CPU, where a
+decode step is mostly matmuls, the gain is small (``python -m loadtest.bench.steps`` measures it
+per shape). The shapes:
 
 - **Rows are slots.** A forward over rows in slots ``S`` runs the slot range ``[0, bucket)`` with
   ``bucket`` the smallest batch bucket > max(S) (the cache hands out low slots first, so the range
@@ -23,18 +22,25 @@ Every (batch, q) bucket is run once at start-up (:meth:`FastForward.warm_up`), b
 reports ready, so no request ever waits for a compile; compile time is logged. A failed compile
 or warm-up logs a warning and the runner stays eager. Prefill chunks (long, ragged) stay eager.
 
-The compiled function is the one the eager path runs, :func:`engine.model_runner.decoder_layer`
-(weights passed in, so one graph serves every layer), so the two paths compute the same thing;
-the lossless tests run with compilation on (fp32).
+The compiled function is the one the eager path runs, :func:`engine.layer.decoder_layer`
+(weights passed in as a :class:`~engine.layer_weights.LayerWeights`, so one graph serves every
+layer), so the two paths compute the same thing; the lossless tests run with compilation on
+(fp32).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .layer import LayerShape
+    from .layer_weights import LayerWeights
+    from .model_runner import ModelRunner
 
 log = logging.getLogger("specd.fast_forward")
 
@@ -62,7 +68,8 @@ class CompileConfig:
 
 def default_buckets(limit: int, top: int | None = None) -> list[int]:
     """1, 2, 4, ... below ``limit``, then ``limit`` itself (``top``: an extra largest bucket)."""
-    out, b = [], 1
+    out: list[int] = []
+    b = 1
     while b < limit:
         out.append(b)
         b *= 2
@@ -77,16 +84,10 @@ def _bucket(buckets: list[int], n: int) -> int | None:
     return None
 
 
-@dataclass
-class WarmupReport:
-    seconds: float = 0.0
-    shapes: list[tuple[int, int]] = field(default_factory=list)
-
-
 class FastForward:
     """Compiled fixed-shape forward of one :class:`~engine.model_runner.ModelRunner`."""
 
-    def __init__(self, runner, cfg: CompileConfig, k_max: int):
+    def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
         self.runner, self.cfg = runner, cfg
         cache = runner.cache
         self.cuda_graphs = cfg.mode == "reduce-overhead"
@@ -113,7 +114,7 @@ class FastForward:
             dynamo.mark_static_address(cache.k)
             dynamo.mark_static_address(cache.v)
         mode = None if cfg.mode == "default" else cfg.mode
-        from .model_runner import decoder_layer
+        from .layer import decoder_layer
 
         self._compiled = torch.compile(
             decoder_layer, backend=cfg.backend, mode=mode, fullgraph=True
@@ -126,9 +127,6 @@ class FastForward:
         nb, qb = _bucket(self.batch_buckets, rows), _bucket(self.q_buckets, q)
         return None if nb is None or qb is None else (nb, qb)
 
-    def handles(self, slots: list[int], q: int) -> bool:
-        return self.bucket_shape(max(slots) + 1, q) is not None
-
     # -- one forward ----------------------------------------------------------------------------
     def run(
         self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int]
@@ -137,7 +135,7 @@ class FastForward:
         returns their final-normed hidden states ``[batch, q, hidden]``, or None when the shape
         is outside the buckets."""
         runner, dev = self.runner, self.runner.device
-        B, q = ids.shape
+        q = ids.shape[1]
         shape = self.bucket_shape(max(slots) + 1, q)
         if shape is None:
             return None
@@ -160,20 +158,37 @@ class FastForward:
         a = self.cfg.kv_align
         return min(max(a, -(-kv_len // a) * a), cache.max_len + 1)
 
-    def _call(self, ids, pos, write_pos, kv_len: int) -> torch.Tensor:
+    def _call(
+        self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """The decoder stack over slots ``[0, nb)`` for ids, pos, write_pos ``[nb, qb]``, keys
+        read up to ``kv_len``; returns final-normed hidden states ``[nb, qb, hidden]``."""
         dev = self.runner.device
-        nb, qb = ids.shape
+        nb = ids.shape[0]
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
         self.calls += 1
         return self.runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, self._layer)
 
-    def _layer(self, h, w, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot, shape):
-        """The compiled decoder layer, its dynamic dimensions marked (torch specializes sizes 0
-        and 1, so only larger ones are marked)."""
+    def _layer(
+        self,
+        h: torch.Tensor,
+        w: LayerWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        slot_t: torch.Tensor,
+        write_pos: torch.Tensor,
+        first_slot: int | None,
+        shape: LayerShape,
+    ) -> torch.Tensor:
+        """The compiled :func:`~engine.layer.decoder_layer`, its dynamic dimensions marked (torch
+        specializes sizes 0 and 1, so only larger ones are marked)."""
         import torch._dynamo as dynamo
 
-        marks = [] if self.full_kv else [(mask, 3)]
+        marks: list[tuple[torch.Tensor, int]] = [] if self.full_kv else [(mask, 3)]
         if self.dynamic:
             marks += [
                 (h, 0),
@@ -194,11 +209,10 @@ class FastForward:
         return self._compiled(h, w, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot, shape)
 
     # -- start-up -------------------------------------------------------------------------------
-    def warm_up(self) -> WarmupReport:
+    def warm_up(self) -> None:
         """Run every (batch, q) bucket once on scratch positions (compiles them). Nothing
         committed is touched: every token is written to the scratch column."""
         runner, dev = self.runner, self.runner.device
-        rep = WarmupReport()
         t0 = time.perf_counter()
         with torch.inference_mode():
             for nb in self.batch_buckets:
@@ -210,7 +224,6 @@ class FastForward:
                         self._call(ids, pos.to(dev), write_pos.to(dev), kv)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
-                    rep.shapes.append((nb, qb))
                     log.info(
                         "compiled %s forward batch=%d q=%d in %.1f s",
                         runner.name,
@@ -218,33 +231,34 @@ class FastForward:
                         qb,
                         time.perf_counter() - t,
                     )
-        rep.seconds = time.perf_counter() - t0
-        return rep
+        log.warning(
+            "compiled the %s forward: %d shapes in %.1f s",
+            runner.name,
+            len(self.batch_buckets) * len(self.q_buckets),
+            time.perf_counter() - t0,
+        )
 
 
-def attach(runner, cfg: CompileConfig, k_max: int) -> None:
+def attach(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> None:
     """Give ``runner`` a compiled path (compiled lazily: call :func:`warm_up` before serving)."""
     if cfg.enabled:
         runner.fast = FastForward(runner, cfg, k_max)
 
 
-def warm_up(runner) -> WarmupReport | None:
-    """Compile and run every bucket of ``runner``'s fast path; on any failure warn and stay eager."""
-    fast = getattr(runner, "fast", None)
+def warm_up(runner: ModelRunner) -> None:
+    """Compile and run every bucket of ``runner``'s fast path (if any, and ``warmup`` is set); on
+    any failure warn and stay eager."""
+    fast = runner.fast
     if fast is None or not fast.cfg.warmup:
-        return None
+        return
     try:
-        rep = fast.warm_up()
+        fast.warm_up()
     except Exception as e:  # noqa: BLE001 -- a compile failure must never kill the server
         disable(runner, e)
-        return None
-    log.warning(
-        "compiled the %s forward: %d shapes in %.1f s", runner.name, len(rep.shapes), rep.seconds
-    )
-    return rep
 
 
-def disable(runner, err: Exception) -> None:
+def disable(runner: ModelRunner, err: Exception) -> None:
+    """Drop ``runner``'s compiled path after ``err`` (logged); it runs eagerly from then on."""
     msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
     log.warning(
         "compiled %s forward failed (%s: %s); running eagerly from now on",

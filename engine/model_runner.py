@@ -2,7 +2,7 @@
 
 We keep transformers for loading (GGUF conversion, safetensors, dtypes, Hub ids) and reuse its
 embedding, rotary embedding, final norm and lm_head, but run our own decoder layer (a function of
-the layer's weights, :func:`decoder_layer`, so one compiled graph serves every layer)
+the layer's weights, :func:`engine.layer.decoder_layer`, so one compiled graph serves every layer)
 so that one forward can serve ragged rows: row b feeds ``n_b`` new tokens starting at position
 ``start_b`` (its committed cache length), writes their K/V into its slot in place, and attends by
 position, ``kv_pos <= query_pos``. The same loop with only the first N layers is the
@@ -11,14 +11,15 @@ position, ``kv_pos <= query_pos``. The same loop with only the first N layers is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
+from .fast_forward import FastForward, disable
 from .kv_cache import SlotKVCache
-from .quant import q4_linear
+from .layer import config_shape, decoder_layer
+from .layer_weights import LayerWeights, from_layer
+from .quant import Q4Weight, q4_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -27,113 +28,14 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm, as a function (in float32, scaled in the input dtype)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    num_heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
-    act: str  # "silu" | "gelu_pytorch_tanh" | ...
-
-
-def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or the 4-bit matmul for a GGUF Q4_1 weight kept as stored (engine/quant.py)."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, b)
-    y = q4_linear(x, w.packed, w.scale_zero)
-    return y if b is None else y + b
-
-
-def decoder_layer(
-    h,
-    w: tuple,
-    cos,
-    sin,
-    mask,
-    kc,
-    vc,
-    slot_t,
-    write_pos,
-    first_slot: int | None,
-    shape: LayerShape,
-) -> torch.Tensor:
-    """One Llama-family decoder layer over the slot cache, weights passed in, so one compiled
-    graph serves every layer. h ``[batch, q, hidden]``; cos/sin ``[batch, 1, q, head_dim]``; mask
-    ``[batch, 1, q, kv_len]``; kc/vc this layer's cache ``[slots, kv_heads, max_len+1, head_dim]``
-    (written in place at ``write_pos`` of rows ``slot_t``)."""
-    ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd, qn, kn = w
-    B, q, _ = h.shape
-    nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
-    kv_len = mask.shape[-1]
-    x = rms_norm(h, ln1, shape.eps)
-    if wk is None:  # Q, K and V in one 4-bit matrix (engine/quant.py)
-        qs, ks, vs = linear(x, wq).split(wq.split, dim=-1)
-    else:
-        qs, ks, vs = linear(x, wq, bq), linear(x, wk, bk), linear(x, wv, bv)
-    qs = qs.reshape(B, q, nh, hd)
-    ks = ks.reshape(B, q, kvh, hd)
-    vs = vs.reshape(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
-    if qn is not None:  # qwen3
-        qs, ks = rms_norm(qs, qn, shape.eps), rms_norm(ks, kn, shape.eps)
-    qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [batch, heads, q, head_dim]
-    qs = qs * cos + _rotate_half(qs) * sin
-    ks = ks * cos + _rotate_half(ks) * sin
-    kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
-    vc[slot_t[:, None], :, write_pos] = vs
-    if first_slot is not None:
-        keys = kc[
-            first_slot : first_slot + B, :, :kv_len
-        ]  # view: [batch, kv_heads, kv_len, head_dim]
-        vals = vc[first_slot : first_slot + B, :, :kv_len]
-    else:
-        keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-    o = F.scaled_dot_product_attention(
-        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
-    )  # [batch, heads, q, head_dim]
-    h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), wo)
-    x = rms_norm(h, ln2, shape.eps)
-    if wu is None:  # gate and up in one 4-bit matrix
-        g, u = linear(x, wg).split(wg.split, dim=-1)
-    else:
-        g, u = linear(x, wg), linear(x, wu)
-    g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)
-    return h + linear(g * u, wd)
-
-
-def layer_weights(layer) -> tuple:
-    a, m = layer.self_attn, layer.mlp
-    qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-    return (
-        layer.input_layernorm.weight,
-        a.q_proj.weight,
-        a.q_proj.bias,
-        a.k_proj.weight,
-        a.k_proj.bias,
-        a.v_proj.weight,
-        a.v_proj.bias,
-        a.o_proj.weight,
-        layer.post_attention_layernorm.weight,
-        m.gate_proj.weight,
-        m.up_proj.weight,
-        m.down_proj.weight,
-        qn.weight if qn is not None else None,
-        kn.weight if kn is not None else None,
-    )
-
-
 class ModelRunner:
+    """Our decoder loop over a transformers model's weights and a :class:`SlotKVCache` of
+    ``num_slots`` rows of up to ``max_len`` tokens (capped by the model's maximum positions).
+    ``num_layers``: run only the first N layers (the early-layers self-draft)."""
+
+    fast: FastForward | None  # the compiled path (engine/fast_forward.py), once attached
+    head: Q4Weight | None  # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head)
+
     def __init__(
         self,
         model,
@@ -149,7 +51,6 @@ class ModelRunner:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         self.model, self.name = model, name
-        self.config = cfg
         base = model.model
         self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
         layers = list(base.layers)
@@ -158,33 +59,23 @@ class ModelRunner:
                 raise ValueError(f"num_layers must be in 1..{len(layers)}, got {num_layers}")
             layers = layers[:num_layers]
         self.lm_head = model.lm_head
-        self.num_heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.vocab_size = self.lm_head.out_features
-        norm = layers[0].input_layernorm
-        self.shape = LayerShape(
-            self.num_heads,
-            self.kv_heads,
-            self.head_dim,
-            float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
-            getattr(cfg, "hidden_act", "silu"),
-        )
-        self.weights = [layer_weights(layer) for layer in layers]
+        self.shape, max_positions = config_shape(cfg, layers[0].input_layernorm)
+        self.weights: list[LayerWeights] = [from_layer(layer) for layer in layers]
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.max_len = min(max_len, getattr(cfg, "max_position_embeddings", max_len))
+        self.max_len = max_len if max_positions is None else min(max_len, max_positions)
         self.cache = SlotKVCache(
             len(layers),
             num_slots,
-            self.kv_heads,
-            self.head_dim,
+            self.shape.kv_heads,
+            self.shape.head_dim,
             self.max_len,
             self.dtype,
             self.device,
         )
-        self.fast = None  # a FastForward (engine/fast_forward.py) once compiled
-        self.head = None  # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head)
+        self.fast = None
+        self.head = None
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -223,8 +114,6 @@ class ModelRunner:
             try:  # None when the shape is outside the buckets
                 h = self.fast.run(ids, slots, starts, counts)  # [batch, q, hidden], normed
             except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
-                from .fast_forward import disable
-
                 disable(self, e)  # the eager forward below rewrites every position it wrote
         if h is None:
             pos, write_pos = self.positions(starts, counts, q)
@@ -247,8 +136,8 @@ class ModelRunner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., hidden]``."""
         # the file's Q8_0 head as two 4-bit halves (engine/quant.py), at every batch size: one
-        # model whatever the batch (dense bf16 would be faster past ~8 positions, but it is the
-        # head's weights rounded to bf16, a slightly different model)
+        # model whatever the batch (a dense bf16 head can be faster on many positions, but it is
+        # the head's weights rounded to bf16, a slightly different model)
         if self.head is not None:
             return q4_linear(
                 torch.cat([h, h], dim=-1), self.head.packed, self.head.scale_zero
@@ -263,7 +152,9 @@ class ModelRunner:
         padded = self.fast.bucket_shape(batch, q) if self.fast is not None else None
         return padded or (batch, q)
 
-    def positions(self, starts: list[int], counts: list[int], q: int):
+    def positions(
+        self, starts: list[int], counts: list[int], q: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Host-built index tensors (no device sync): the position of every query token, and where
         its K/V is written (padding past a row's count goes to the scratch column)."""
         pos = torch.tensor(
@@ -281,7 +172,7 @@ class ModelRunner:
         slot_t: torch.Tensor,
         kv_idx: torch.Tensor,
         first_slot: int | None,
-        layer_fn=None,
+        layer_fn: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The decoder stack over the slot cache.
 

@@ -1,9 +1,10 @@
 """GGUF Q4_1 layers run as stored: 4-bit weights through torch's int4 weight-only matmul.
 
 The CPU default target is a Q4_1 GGUF. Loading it through transformers dequantizes every weight to
-a dense float copy, and a decode step then streams ~4x more bytes than the file holds (on this
-2-core machine the dense bf16 matrix-vector products are ~75% of an eager decode step). With
-``model.native_q4: true`` each Q4_1 projection of the decoder layers is kept 4-bit instead:
+a dense float copy, and a decode step, which is bound by reading the weights from memory, then
+streams several times more bytes than the file holds. With ``model.native_q4: true`` each Q4_1
+projection of the decoder layers is kept 4-bit instead, in the fields of
+:class:`~engine.layer_weights.LayerWeights` (a layer's Q, K, V and its gate, up may be fused):
 
 - Q4_1 block (32 weights): ``w = d * q + m``, ``q`` in 0..15, ``d`` and ``m`` fp16.
 - torch's ``_weight_int4pack_mm_for_cpu`` computes with ``w = (q - 8) * scale + zero`` per group
@@ -22,36 +23,50 @@ halves (:func:`convert_q8_0_head`); embeddings and norms stay dense.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from .layer_weights import BIAS, FUSED, check_fields
+
+if TYPE_CHECKING:
+    import gguf
+
+    from .model_runner import ModelRunner
+
 log = logging.getLogger("specd.quant")
 
 GROUP = 32
-_NAMES = {
-    "attn_q": 1,
-    "attn_k": 3,
-    "attn_v": 5,
-    "attn_output": 7,
-    "ffn_gate": 9,
-    "ffn_up": 10,
-    "ffn_down": 11,
-}  # GGUF tensor -> index in model_runner.layer_weights()
+# GGUF layer tensor (blk.<i>.<name>.weight) -> the LayerWeights field it replaces
+_FIELDS = {
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+}
+check_fields(_FIELDS.values())  # a renamed LayerWeights field fails here, at import
+
+_Blocks = tuple[np.ndarray, np.ndarray, np.ndarray]  # q [out, in] 0..15; d, m [out, in/32]
 
 
 class Q4Weight:
-    """A 4-bit matrix ``[out, in]`` for ``_weight_int4pack_mm_for_cpu``."""
+    """A 4-bit matrix ``[out, in]`` for ``_weight_int4pack_mm_for_cpu``: ``packed`` in torch's
+    int4 layout, ``scale_zero`` ``[in/32, out, 2]`` in the activation dtype. ``split``: for a
+    fused matrix, the output sizes of its parts in column order (e.g. Q, K, V), else None."""
 
     def __init__(
         self,
         packed: torch.Tensor,
         scale_zero: torch.Tensor,
-        shape: tuple[int, int],
+        shape: tuple[int, ...],
         split: tuple[int, ...] | None = None,
     ):
         self.packed, self.scale_zero, self.shape = packed, scale_zero, tuple(shape)
-        self.split = split  # fused matrices: the output sizes of each, e.g. (q, k, v)
+        self.split = split
 
     def __repr__(self):
         return f"Q4Weight{self.shape}" + (f" fused {self.split}" if self.split else "")
@@ -59,8 +74,8 @@ class Q4Weight:
 
 # specd::q4_mm, an opaque op, so that inductor calls torch's kernel as it is (inductor's own
 # lowering of the aten op routes it through a kernel that re-packs the weight on every call).
-# Defined through torch.library.Library rather than torch.library.custom_op: half the per-call
-# overhead (~9 vs ~13 us on this machine, x 120 matmuls a step).
+# Defined through torch.library.Library rather than torch.library.custom_op: a lower per-call
+# overhead, paid by every matmul of a step.
 _LIB = torch.library.Library("specd", "DEF")
 _LIB.define("q4_mm(Tensor x, Tensor packed, Tensor scale_zero) -> Tensor")
 
@@ -91,8 +106,9 @@ def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_1 rows ``[rows, cols/32 * 20]`` uint8 -> q ``[rows, cols]`` (0..15), d, m ``[rows, cols/32]``."""
+def _blocks(raw: np.ndarray, rows: int, cols: int) -> _Blocks:
+    """Q4_1 rows ``[rows, cols/32 * 20]`` uint8 -> q ``[rows, cols]`` (0..15), d and m
+    ``[rows, cols/32]``."""
     b = raw.reshape(rows, cols // GROUP, 20)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -113,7 +129,7 @@ def _same(deq: torch.Tensor, dense: torch.Tensor) -> bool:
     return err <= 1e-6 * max(1.0, dense.float().abs().amax().item())
 
 
-def use_native_q4(source: str, runner, *sharing) -> int:
+def use_native_q4(source: str, runner: ModelRunner, *sharing: ModelRunner | None) -> int:
     """``model.native_q4``: keep the Q4_1 layers of the GGUF ``source`` 4-bit in ``runner``, and
     in each runner of ``sharing`` that runs the same model (the self / first-N-layers drafter).
     Returns the number of matrices converted."""
@@ -166,82 +182,79 @@ def _pack(
     return Q4Weight(packed, scale_zero, q.shape, split)
 
 
-def _reader(gguf_file):
+def _reader(gguf_file) -> gguf.GGUFReader:
     """A ``gguf.GGUFReader`` for a path, or the reader itself."""
     import gguf
 
     return gguf_file if isinstance(gguf_file, gguf.GGUFReader) else gguf.GGUFReader(str(gguf_file))
 
 
-def convert_q4_1(gguf_file, runner, fuse: bool = True) -> int:
+def convert_q4_1(gguf_file, runner: ModelRunner, fuse: bool = True) -> int:
     """Replace ``runner``'s dense Q4_1 projections by :class:`Q4Weight` (CPU only; scales in the
     runner's dtype). ``gguf_file``: a path or a ``GGUFReader``. Returns the number of file
     matrices converted (0 when the file has none, or on any mismatch). ``fuse``: a layer's Q, K
-    and V become one matrix (one matmul instead of three) and so do gate and up, when all of
-    them are Q4_1 and there are no biases."""
+    and V become one matrix ``qkv`` (one matmul instead of three) and so do gate and up
+    (``gate_up``), when all of them are Q4_1 and there are no biases."""
     if runner.device.type != "cpu":
         log.warning("native_q4 runs on CPU only; keeping dense weights")
         return 0
     reader = _reader(gguf_file)
-    cfg = runner.config
-    heads, kv_heads = cfg.num_attention_heads, runner.kv_heads
-    new = [list(w) for w in runner.weights]
-    blocks: dict[tuple[int, int], tuple] = {}  # (layer, slot) -> (q, d, m) as in the file
+    heads, kv_heads = runner.shape.num_heads, runner.shape.kv_heads
+    blocks: dict[tuple[int, str], _Blocks] = {}  # (layer, field) -> (q, d, m) as in the file
     for t in reader.tensors:
         parts = t.name.split(".")  # blk.<i>.<name>.weight
-        if parts[0] != "blk" or parts[2] not in _NAMES or t.tensor_type.name != "Q4_1":
+        if parts[0] != "blk" or parts[2] not in _FIELDS or t.tensor_type.name != "Q4_1":
             continue
-        i, slot = int(parts[1]), _NAMES[parts[2]]
-        if i >= len(new):
+        i, field = int(parts[1]), _FIELDS[parts[2]]
+        if i >= len(runner.weights):
             continue
         cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
         q, d, m = _blocks(np.asarray(t.data), rows, cols)
         if parts[2] in ("attn_q", "attn_k"):
             perm = _row_perm(rows, heads if parts[2] == "attn_q" else kv_heads)
             q, d, m = q[perm], d[perm], m[perm]
-        dense = new[i][slot]
+        dense = getattr(runner.weights[i], field)
         deq = torch.from_numpy(np.repeat(d, GROUP, 1) * q + np.repeat(m, GROUP, 1))
         if tuple(dense.shape) != (rows, cols) or not _same(deq, dense):
             log.warning("GGUF tensor %s does not match the loaded weights; keeping dense", t.name)
             return 0
-        blocks[i, slot] = (q, d, m)
+        blocks[i, field] = (q, d, m)
     count = len(blocks)
-    for i, w in enumerate(new):
-        groups = [(1, 3, 5), (9, 10)] if fuse else []  # (q, k, v), (gate, up)
-        for group in groups:
-            biases = [w[s + 1] for s in group if s in (1, 3, 5)]
-            if all((i, s) in blocks for s in group) and all(b is None for b in biases):
-                parts = [blocks.pop((i, s)) for s in group]
-                w[group[0]] = _pack(
-                    *(np.concatenate(x) for x in zip(*parts)),
-                    runner.dtype,
-                    split=tuple(p[0].shape[0] for p in parts),
-                )
-                for s in group[1:]:
-                    w[s] = None  # computed by the fused matrix
-        for s in range(len(w)):
-            if (i, s) in blocks:
-                w[s] = _pack(*blocks.pop((i, s)), runner.dtype)
-    runner.weights = [tuple(w) for w in new]
+    new = []
+    for i, w in enumerate(runner.weights):
+        fields: dict[str, Any] = {}  # field name -> Q4Weight, or None (in a fused matrix)
+        for fused, group in FUSED.items() if fuse else ():
+            biases = [getattr(w, BIAS[f]) for f in group if f in BIAS]
+            if all((i, f) in blocks for f in group) and all(b is None for b in biases):
+                members = [blocks.pop((i, f)) for f in group]
+                q, d, m = (np.concatenate(x) for x in zip(*members))
+                split = tuple(b[0].shape[0] for b in members)
+                fields[fused] = _pack(q, d, m, runner.dtype, split=split)
+                fields.update(dict.fromkeys(group))  # computed by the fused matrix
+        for field in _FIELDS.values():
+            if (i, field) in blocks:
+                fields[field] = _pack(*blocks.pop((i, field)), runner.dtype)
+        new.append(w._replace(**fields))  # an unknown field name raises here
+    runner.weights = new
     return count
 
 
 def _q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_0 rows ``[rows, cols/32 * 34]`` uint8 -> q ``[rows, cols]`` int8, d ``[rows, cols/32]``."""
+    """Q8_0 rows ``[rows, cols/32 * 34]`` uint8 -> q ``[rows, cols]`` int8, d
+    ``[rows, cols/32]``."""
     b = raw.reshape(rows, cols // GROUP, 34)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = b[..., 2:34].copy().view(np.int8)
     return q.reshape(rows, cols), d
 
 
-def convert_q8_0_head(gguf_file, runner) -> bool:
+def convert_q8_0_head(gguf_file, runner: ModelRunner) -> bool:
     """Run the LM head from the file's Q8_0 blocks (``output.weight``, or ``token_embd.weight``
     when the embeddings are tied) as one 4-bit matmul: each 8-bit weight ``q`` (+128, 0..255)
     is its high and low nibble, ``d·q = 16d·(hi - 8) + d·(lo - 8) + 8d``, so the head is
     ``[x, x] @ [W_hi | W_lo].T`` over 2x the input width, groups of 32 with (scale, zero) =
-    (16d, 0) on the high half and (d, 8d) on the low half. 28 MB of nibbles + scales instead of
-    56 MB of bf16: the head streams ~40% fewer bytes (on this machine a decode step reads the
-    whole head from memory; ~5.9 -> ~3 ms). Checked against the dense head like every layer
+    (16d, 0) on the high half and (d, 8d) on the low half: half the bytes of a bf16 head, which a
+    decode step reads whole from memory. Checked against the dense head like every layer
     matrix; returns False (head stays dense) when the file has no Q8_0 head or it differs.
     ``gguf_file``: a path or a ``GGUFReader``."""
     if runner.device.type != "cpu":

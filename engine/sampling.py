@@ -43,13 +43,26 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def needs_filter(params: list[SamplingParams]) -> bool:
+    """Whether any row asks for top-k or top-p: decided on the host, from the request params."""
+    return any(p.top_k > 0 or p.top_p < 1 for p in params)
+
+
 def logits_to_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    filter_rows: bool | None = None,
 ) -> torch.Tensor:
     """``logits`` [batch, t, vocab]; per-row ``temperature``/``top_p`` float [batch] and ``top_k``
-    long [batch] (0 = off). Greedy rows must come with temperature 1. Returns probs [batch, t, vocab]."""
+    long [batch] (0 = off). Greedy rows must come with temperature 1. ``filter_rows``: whether
+    some row uses top-k / top-p, known on the host (:func:`needs_filter`); ``None`` reads it from
+    the tensors, a device sync (tests only). Returns probs [batch, t, vocab]."""
     logits = logits / temperature[:, None, None]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if filter_rows is None:
+        filter_rows = bool((top_k > 0).any()) or bool((top_p < 1).any())
+    if filter_rows:
         logits = _top_k_top_p(logits, top_k, top_p)
     return torch.softmax(logits, dim=-1)
 

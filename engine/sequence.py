@@ -1,13 +1,22 @@
-"""One request's state inside the engine."""
+"""One request's state inside the engine.
+
+Invariants of a :class:`Sequence`:
+  * ``output_ids`` only grows, through :meth:`Sequence.append`; :meth:`token_array` is then a
+    view of prompt + output kept incrementally (no per-round rebuild of the token list).
+  * ``slot`` is the KV-cache slot the sequence holds while prefilling or running, -1 otherwise.
+  * ``group`` names the client request the sequence belongs to (choices of one request share
+    it): the scheduler caps what one group holds at once, so other requests keep flowing.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .k_control import KState
+from .k_state import KState
 from .sampling import SamplingParams
 
 
@@ -22,12 +31,8 @@ class SpecParams:
     """Per-request speculation settings (already validated and capped by the server config)."""
 
     enabled: bool = True
-    k: int | None = (
-        None  # a fixed draft length for every round; None: the engine's controller decides
-    )
-    k_max: int | None = (
-        None  # cap on the controller's K for this request (None: the engine's k_max)
-    )
+    k: int | None = None  # a fixed K for every round; None: the engine's controller decides
+    k_max: int | None = None  # cap on the controller's K for this request (None: engine's k_max)
 
 
 @dataclass
@@ -50,9 +55,10 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     spec: SpecParams
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's own; None: the engine's
     arrival: float = 0.0  # time.perf_counter() when the engine took the request
     admitted: float | None = None  # when it got a KV slot (queue time = admitted - arrival)
+    group: str = ""  # the client request it belongs to ("" = its own request_id)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -62,6 +68,33 @@ class Sequence:
     accepted: int = 0
     target_passes: int = 0
     kstate: KState = field(default_factory=KState)  # the K controller's view of this request
+    _buf: np.ndarray = field(init=False, repr=False)  # prompt + output, then spare room
+    _len: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id
+        n = len(self.prompt_ids) + len(self.output_ids)
+        self._buf = np.empty(max(16, 2 * n), dtype=np.int64)
+        self._buf[: len(self.prompt_ids)] = self.prompt_ids
+        self._buf[len(self.prompt_ids) : n] = self.output_ids
+        self._len = n
+
+    def append(self, tokens: list[int]) -> None:
+        """Append emitted tokens to the output (the only way the output grows)."""
+        end = self._len + len(tokens)
+        if end > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), end), dtype=np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : end] = tokens
+        self._len = end
+        self.output_ids += tokens
+
+    def token_array(self) -> np.ndarray:
+        """Prompt + output as a read-only int64 view (valid until the next :meth:`append`)."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
 
     @property
     def tokens(self) -> list[int]:
@@ -69,7 +102,11 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return self._len
+
+    @property
+    def last_token(self) -> int:
+        return int(self._buf[self._len - 1])
 
     @property
     def remaining(self) -> int:

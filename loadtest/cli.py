@@ -34,17 +34,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from loadtest import report, stats, workloads
 from loadtest.client import Options, run_item
+from loadtest.modes import AB, interleaved, parse_modes, spec_option
 from loadtest.shapes import closed_loop, open_loop
-
-
-def spec_option(mode: str) -> dict | None:
-    if mode in ("default", "on"):
-        return None
-    if mode == "off":
-        return {"enabled": False}
-    if mode.startswith("k") and mode[1:].isdigit():
-        return {"k": int(mode[1:])}
-    raise ValueError(f"unknown mode {mode!r} (default, on, off, kN)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,9 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.ab:
-        args.modes = "on,off"
-    for m in args.modes.split(","):
-        spec_option(m)  # fails early on a bad name
+        args.modes = AB
+    parse_modes(args.modes)  # fails early on a bad name
     return args
 
 
@@ -126,31 +116,34 @@ async def run_once(
         )
 
 
+def _ratios(pick: dict, a: str, b: str, reps: list[int], f) -> dict:
+    """mean_ci of f(A) / f(B) over the repeats where both are known."""
+    out = []
+    for rep in reps:
+        x, y = f(pick[(a, rep)]), f(pick[(b, rep)])
+        if x is not None and y:
+            out.append(x / y)
+    return stats.mean_ci(out)
+
+
 def ab_rows(runs: list[dict], modes: list[str]) -> list[dict]:
+    """Per load point and per mode B after the first (A): A / B ratios from the same repeat."""
     rows = []
     for load in dict.fromkeys(report.point_label(r) for r in runs):
         pick = {
             (r["mode"], r["repeat"]): r["summary"] for r in runs if report.point_label(r) == load
         }
         reps = sorted({rep for _, rep in pick})
+        a = modes[0]
         for b in modes[1:]:
-
-            def ratios(f):
-                out = []
-                for rep in reps:
-                    x, y = f(pick[(modes[0], rep)]), f(pick[(b, rep)])
-                    if x is not None and y:
-                        out.append(x / y)
-                return stats.mean_ci(out)
-
             rows.append(
                 {
                     "load": load,
-                    "a": modes[0],
+                    "a": a,
                     "b": b,
-                    "tok_s_ratio": ratios(lambda s: s["output_tok_s"]),
-                    "itl_p95_ratio": ratios(lambda s: s["itl_token"]["p95_ms"]),
-                    "ttft_p50_ratio": ratios(lambda s: s["ttft"]["p50_ms"]),
+                    "tok_s_ratio": _ratios(pick, a, b, reps, lambda s: s["output_tok_s"]),
+                    "itl_p95_ratio": _ratios(pick, a, b, reps, lambda s: s["itl_token"]["p95_ms"]),
+                    "ttft_p50_ratio": _ratios(pick, a, b, reps, lambda s: s["ttft"]["p50_ms"]),
                 }
             )
     return rows
@@ -164,7 +157,7 @@ def run(args) -> dict:
         args.model
         or openai.OpenAI(base_url=args.base_url, api_key=args.api_key).models.list().data[0].id
     )
-    modes = args.modes.split(",")
+    modes = parse_modes(args.modes)
     points = load_points(args)
     n = args.requests or len(items)
     console = Console(stderr=True)
@@ -192,29 +185,26 @@ def run(args) -> dict:
     ) as bar:
         task = bar.add_task("requests", total=total)
         for shape, value in points:
-            for rep in range(args.repeat):
-                for mode in modes if rep % 2 == 0 else modes[::-1]:
-                    label = f"c={value}" if shape == "closed" else f"{value}/s"
-                    bar.update(task, description=f"{label} {mode} #{rep}")
-                    before = stats.scrape(args.base_url, args.api_key)
-                    records, wall = asyncio.run(
-                        run_once(
-                            args, items, model, shape, value, mode, n, lambda: bar.advance(task)
-                        )
-                    )
-                    after = stats.scrape(args.base_url, args.api_key)
-                    results["runs"].append(
-                        {
-                            "shape": shape,
-                            "concurrency": value if shape == "closed" else None,
-                            "rate": value if shape == "open" else None,
-                            "mode": mode,
-                            "repeat": rep,
-                            "summary": stats.summarize(records, wall),
-                            "server": stats.server_delta(before, after),
-                            "requests": [asdict(r) for r in records],
-                        }
-                    )
+            for rep, mode in interleaved(modes, args.repeat):
+                label = f"c={value}" if shape == "closed" else f"{value}/s"
+                bar.update(task, description=f"{label} {mode} #{rep}")
+                before = stats.scrape(args.base_url, args.api_key)
+                records, wall = asyncio.run(
+                    run_once(args, items, model, shape, value, mode, n, lambda: bar.advance(task))
+                )
+                after = stats.scrape(args.base_url, args.api_key)
+                results["runs"].append(
+                    {
+                        "shape": shape,
+                        "concurrency": value if shape == "closed" else None,
+                        "rate": value if shape == "open" else None,
+                        "mode": mode,
+                        "repeat": rep,
+                        "summary": stats.summarize(records, wall),
+                        "server": stats.server_delta(before, after),
+                        "requests": [asdict(r) for r in records],
+                    }
+                )
     if len(modes) > 1:
         results["ab"] = ab_rows(results["runs"], modes)
     return results
@@ -224,17 +214,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     out = Path(args.out or f"loadtest/results/run-{time.strftime('%Y%m%d-%H%M%S')}")
     with contextlib.ExitStack() as stack:
-        pid = None
+        server = None
         if args.spawn_specd:
             from loadtest.server_proc import specd_server
 
             max_c = max([int(x) for x in args.concurrency.split(",")] if not args.rate else [16])
-            args.base_url, pid = stack.enter_context(specd_server(Path(args.spawn_specd), max_c))
+            server = stack.enter_context(specd_server(Path(args.spawn_specd), max_c))
+            args.base_url = server.base_url
         results = run(args)
-        if pid is not None:
-            from loadtest.server_proc import peak_rss_mib
-
-            results["meta"]["server_peak_rss_mib"] = peak_rss_mib(pid)
+        if server is not None:
+            results["meta"]["server_peak_rss_mib"] = server.rss.peak
     if not args.no_plots:
         results["meta"]["plots"] = [str(p) for p in report.plots(results, out)]
     report.write_json(results, out / "results.json")

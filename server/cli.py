@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 
@@ -32,17 +33,10 @@ def _config(args):
 
 def cmd_serve(args) -> int:
     import logging
-    import signal
-    import threading
-
-    import uvicorn
 
     from engine.builder import build_engine
-    from engine.worker import EngineWorker
 
-    from .app import create_app
-    from .convert import Limits
-    from .limits import uvicorn_config
+    from .assembly import assemble
     from .settings import ServerSettings, load_config_file
 
     data = load_config_file(args.config)
@@ -56,37 +50,13 @@ def cmd_serve(args) -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     cfg = _config(args)
-    built = build_engine(cfg)
-    engine = built.engine
-    worker = EngineWorker(engine, max_queued=cfg.max_queued)
-    limits = Limits(engine.target.max_len, engine.vocab_size, cfg.drafter.method, cfg.drafter.k_max)
-    app = create_app(worker, built.tokenizer, cfg.model.name, limits, settings)
-    print(
-        f"specd: serving {cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
-        f"{cfg.drafter.method}) on http://{settings.host}:{settings.port}/v1",
-        flush=True,
-    )
-    # HTTP in a thread, the engine loop in the main thread: torch's CPU thread team stays hot only
-    # for the main thread (every forward ran 2x slower from a second thread on 2 cores).
-    server = uvicorn.Server(
-        uvicorn_config(app, settings.host, settings.port, settings, log_level=settings.log_level)
-    )
-    http = threading.Thread(target=server.run, name="specd-http", daemon=True)
-
-    def stop(*_):
-        worker.request_shutdown()
-        server.should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
-    http.start()
-    watcher = threading.Thread(target=lambda: (http.join(), stop()), daemon=True)
-    watcher.start()  # the HTTP server ending (e.g. port in use) stops the engine too
-    try:
-        worker.run_here()
-    finally:
-        server.should_exit = True
-        http.join(15)
+    server = assemble(build_engine(cfg), settings, engine_thread=False)
+    what = f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter {cfg.drafter.method})"
+    try:  # the engine loop in this, the main thread; HTTP in a thread
+        server.run(announce=lambda url: print(f"specd: serving {what} on {url}/v1", flush=True))
+    except OSError as e:  # e.g. the port is taken
+        print(f"specd: cannot serve on {server.url}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -109,7 +79,8 @@ def cmd_generate(args) -> int:
     if args.drafter:
         cfg.drafter.method = args.drafter
     built = build_engine(cfg)
-    tok, engine = built.tokenizer, built.engine
+    tok: Any = built.tokenizer
+    engine = built.engine
     prompts = [
         list(
             tok.apply_chat_template(
@@ -126,9 +97,8 @@ def cmd_generate(args) -> int:
     seqs = engine.generate(prompts, params, spec)
     dt = time.perf_counter() - t0
     for s in seqs:
-        print(
-            f"--- {s.request_id} ({s.finish_reason})\n{tok.decode(s.output_ids, skip_special_tokens=True)}"
-        )
+        text = tok.decode(s.output_ids, skip_special_tokens=True)
+        print(f"--- {s.request_id} ({s.finish_reason})\n{text}")
     n = sum(len(s.output_ids) for s in seqs)
     drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
     passes = sum(s.target_passes for s in seqs)

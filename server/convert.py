@@ -14,6 +14,7 @@ Everything specd cannot honour is refused here with a 400 that names the field.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -21,38 +22,18 @@ from jinja2 import TemplateError
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 
+from .errors import bad
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .settings import ServerSettings
 
+log = logging.getLogger("specd.server")
 MIN_TEMPERATURE = 1e-5
 
 
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
-
-
 @dataclass
-class Limits:
-    """What the engine can take, from its config."""
+class EngineCapacity:
+    """What the engine can take, from its config: the context, the vocabulary, the configured
+    drafter and its largest K."""
 
     max_model_len: int
     vocab_size: int
@@ -107,16 +88,16 @@ def _stops(req: _Sampling, s: ServerSettings) -> list[str]:
     return stop
 
 
-def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
+def _spec(req: _Sampling, s: ServerSettings, capacity: EngineCapacity) -> SpecParams:
     o = req.speculation
     if o is None:  # the engine's controller chooses K (adaptive by default), at most spec_k_max
-        return SpecParams(enabled=limits.drafter != "none", k=None, k_max=s.spec_k_max)
+        return SpecParams(enabled=capacity.drafter != "none", k=None, k_max=s.spec_k_max)
     if o.method is not None:
-        configured = "ngram" if limits.drafter == "ngram" else "draft"
-        if limits.drafter == "none" or o.method != configured:
+        configured = "ngram" if capacity.drafter == "ngram" else "draft"
+        if capacity.drafter == "none" or o.method != configured:
             raise bad(
                 f"speculation.method {o.method!r} is not available on this server "
-                f"(configured drafter: {limits.drafter})",
+                f"(configured drafter: {capacity.drafter})",
                 "speculation.method",
             )
     for name in ("k", "k_max"):
@@ -126,7 +107,7 @@ def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
     k_max = o.k_max if o.k_max is not None else s.spec_k_max
     enabled = (
         (o.enabled if o.enabled is not None else True)
-        and limits.drafter != "none"
+        and capacity.drafter != "none"
         and o.k != 0
         and k_max > 0
     )
@@ -136,18 +117,18 @@ def _spec(req: _Sampling, s: ServerSettings, limits: Limits) -> SpecParams:
 def _params(
     req: _Sampling,
     s: ServerSettings,
-    limits: Limits,
+    capacity: EngineCapacity,
     prompt_len: int,
     max_tokens: int | None,
     default_max: int | None,
     logprobs: int | None,
     stop_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
-    room = limits.max_model_len - prompt_len
+    room = capacity.max_model_len - prompt_len
     if room <= 0:
         raise bad(
             f"The prompt has {prompt_len} tokens, more than the model's context of "
-            f"{limits.max_model_len} tokens allows",
+            f"{capacity.max_model_len} tokens allows",
             "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             "context_length_exceeded",
         )
@@ -157,7 +138,7 @@ def _params(
     elif max_tokens > room:
         raise bad(
             f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds the "
-            f"model's context of {limits.max_model_len} tokens",
+            f"model's context of {capacity.max_model_len} tokens",
             "max_tokens",
             "context_length_exceeded",
         )
@@ -173,7 +154,7 @@ def _params(
         if req.top_p is not None
         else (s.default_top_p if s.default_top_p is not None else 1.0)
     )
-    top_k = min(max(req.top_k or 0, 0), limits.vocab_size)
+    top_k = min(max(req.top_k or 0, 0), capacity.vocab_size)
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -192,7 +173,9 @@ def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:
         raise bad(f"prompts x n must be <= {s.max_choices}", "prompt")
 
 
-def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits: Limits) -> Job:
+def completion_job(
+    req: CompletionRequest, tokenizer, s: ServerSettings, capacity: EngineCapacity
+) -> Job:
     _refuse_unsupported(req)
     _check_n(req, s)
     if req.best_of is not None and req.best_of != req.n:
@@ -207,9 +190,9 @@ def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits:
     elif p and all(isinstance(x, str) for x in p):
         prompts = [tokenizer(x)["input_ids"] for x in p]
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]
+        prompts = [[x for x in p if isinstance(x, int)]]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [list(x) for x in p]
+        prompts = [list(x) for x in p if isinstance(x, list)]
     else:
         raise bad(
             "prompt must be a non-empty string, list of strings, token ids or list of "
@@ -220,11 +203,13 @@ def completion_job(req: CompletionRequest, tokenizer, s: ServerSettings, limits:
     for ids in prompts:
         if not ids:
             raise bad("prompt is empty", "prompt")
-        if any(not 0 <= t < limits.vocab_size for t in ids):
-            raise bad(f"prompt token ids must be in [0, {limits.vocab_size})", "prompt")
+        if any(not 0 <= t < capacity.vocab_size for t in ids):
+            raise bad(f"prompt token ids must be in [0, {capacity.vocab_size})", "prompt")
     stop = _stops(req, s)
-    params = _params(req, s, limits, max(len(x) for x in prompts), req.max_tokens, 16, req.logprobs)
-    return Job(prompts, params, _spec(req, s, limits), req.n, stop, req.echo)
+    params = _params(
+        req, s, capacity, max(len(x) for x in prompts), req.max_tokens, 16, req.logprobs
+    )
+    return Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
@@ -242,18 +227,20 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
             content = ""
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": content})
-    try:
+    try:  # a template may refuse the conversation (e.g. role order)
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-    except Exception as e:  # a template that refuses the conversation (e.g. role order)
-        # the template's own message (raise_exception) is for the user; anything else is internal
-        why = str(e)[:200] if isinstance(e, TemplateError) else "the conversation is not valid"
-        raise bad(
-            f"messages could not be rendered by the model's chat template: {why}", "messages"
-        ) from None
-    return list(out["input_ids"])
+        return list(out["input_ids"])
+    except TemplateError as e:  # the template's own message (raise_exception) is for the user
+        why = str(e)[:200]
+    except Exception:  # anything else is internal: to the log, not to the client
+        log.warning("the chat template failed", exc_info=True)
+        why = "the conversation is not valid"
+    raise bad(f"messages could not be rendered by the model's chat template: {why}", "messages")
 
 
-def chat_job(req: ChatCompletionRequest, tokenizer, s: ServerSettings, limits: Limits) -> Job:
+def chat_job(
+    req: ChatCompletionRequest, tokenizer, s: ServerSettings, capacity: EngineCapacity
+) -> Job:
     _refuse_unsupported(req)
     _check_n(req, s)
     if req.tools:
@@ -276,5 +263,5 @@ def chat_job(req: ChatCompletionRequest, tokenizer, s: ServerSettings, limits: L
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params(req, s, limits, len(ids), max_tokens, None, logprobs)
-    return Job([ids], params, _spec(req, s, limits), req.n, stop)
+    params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs)
+    return Job([ids], params, _spec(req, s, capacity), req.n, stop)

@@ -1,14 +1,21 @@
 """Runs the choices of one HTTP request through the engine worker and turns engine outputs into
-text events: incremental detokenization, stop strings, logprobs, usage counts."""
+text events: incremental detokenization, stop strings, logprobs, usage counts.
+
+Every choice is submitted under the request's one :class:`~engine.worker.Reservation` (its
+admission); leaving :meth:`JobRun.events` early, however it happens, aborts every choice still
+running in the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from engine.worker import EngineError, EngineWorker
+from engine.engine import StepOutput
+from engine.worker import EngineError, EngineWorker, Reservation
 
 from .convert import Job
 from .metrics import Metrics
@@ -44,9 +51,10 @@ class JobRun:
     """All choices of one job: ``len(prompts) * n`` engine requests, merged into one stream."""
 
     worker: EngineWorker
-    tokenizer: object
+    tokenizer: Any
     job: Job
     request_id: str
+    reservation: Reservation
     metrics: Metrics | None = None
     started: float = field(default_factory=time.perf_counter)  # when the HTTP request came in
     tally: Tally = field(default_factory=Tally)
@@ -54,17 +62,18 @@ class JobRun:
     def _token_text(self, t: int) -> str:
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
-    async def _choice(self, index: int, prompt: list[int]) -> AsyncIterator[ChoiceEvent]:
+    async def _choice(self, index: int, prompt: list[int]) -> AsyncGenerator[ChoiceEvent, None]:
         """One choice's events; its latencies and finish reason go to the metrics."""
         clock = self.metrics.sequence_clock(self.started) if self.metrics else None
         if self.metrics:
             self.metrics.prompt_tokens.inc(len(prompt))
         reason = "abort"  # unless it finishes: the consumer went away
         try:
-            async for ev in self._choice_events(index, prompt, clock):
-                if ev.finish_reason:
-                    reason = ev.finish_reason
-                yield ev
+            async with aclosing(self._choice_events(index, prompt, clock)) as events:
+                async for ev in events:
+                    if ev.finish_reason:
+                        reason = ev.finish_reason
+                    yield ev
         except EngineError:
             reason = "error"
             raise
@@ -74,41 +83,53 @@ class JobRun:
 
     async def _choice_events(
         self, index: int, prompt: list[int], clock
-    ) -> AsyncIterator[ChoiceEvent]:
-        job, tok = self.job, self.tokenizer
-        detok = IncrementalDetokenizer(tok, prompt)
+    ) -> AsyncGenerator[ChoiceEvent, None]:
+        job = self.job
+        detok = IncrementalDetokenizer(self.tokenizer, prompt)
         stops = StopFilter(job.stop)
         self.tally.prompt_tokens += len(prompt)
-        want_lp = job.params.logprobs is not None
         params = job.params
         if params.seed is not None and index:  # n choices of one seeded request must differ
             params = replace(params, seed=params.seed + index)
-        async for out in self.worker.submit(f"{self.request_id}-{index}", prompt, params, job.spec):
-            if clock:
-                clock.tokens(len(out.new_token_ids), out.seq)
-            self.tally.completion_tokens += len(out.new_token_ids)
-            if out.stats is not None:
-                self.tally.drafted += out.stats.drafted
-                self.tally.accepted += out.stats.accepted
-            self.tally.passes += out.passes
-            text = stops.feed(detok.add(out.new_token_ids, final=out.finished), final=out.finished)
-            lps = None
-            if want_lp and out.logprobs is not None:
-                tops = out.top_logprobs or [[] for _ in out.new_token_ids]
-                lps = [
-                    TokenLP(self._token_text(t), lp, [(self._token_text(i), v) for i, v in top])
-                    for t, lp, top in zip(out.new_token_ids, out.logprobs, tops)
-                ]
-            if stops.stopped:
-                yield ChoiceEvent(index, text, lps, "stop")
-                return  # leaving the iterator aborts the engine request
-            reason = None
-            if out.finished:
-                reason = "length" if out.finish_reason == "length" else "stop"
-            if text or lps or reason:
-                yield ChoiceEvent(index, text, lps, reason)
+        rid = f"{self.request_id}-{index}"
+        submitted = self.worker.submit(
+            rid, prompt, params, job.spec, self.reservation, group=self.request_id
+        )
+        async with aclosing(submitted) as outputs:  # leaving early aborts the engine request
+            async for out in outputs:
+                if clock:
+                    clock.tokens(len(out.new_token_ids), out.seq)
+                self._count(out)
+                final = out.finished
+                text = stops.feed(detok.add(out.new_token_ids, final=final), final=final)
+                lps = self._logprobs(out)
+                if stops.stopped:
+                    yield ChoiceEvent(index, text, lps, "stop")
+                    return
+                reason = None
+                if out.finished:
+                    reason = "length" if out.finish_reason == "length" else "stop"
+                if text or lps or reason:
+                    yield ChoiceEvent(index, text, lps, reason)
 
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
+    def _count(self, out: StepOutput) -> None:
+        self.tally.completion_tokens += len(out.new_token_ids)
+        if out.stats is not None:
+            self.tally.drafted += out.stats.drafted
+            self.tally.accepted += out.stats.accepted
+        self.tally.passes += out.passes
+
+    def _logprobs(self, out: StepOutput) -> list[TokenLP] | None:
+        if self.job.params.logprobs is None or out.logprobs is None:
+            return None
+        tops = out.top_logprobs or [[] for _ in out.new_token_ids]
+        text = self._token_text
+        return [
+            TokenLP(text(t), lp, [(text(i), v) for i, v in top])
+            for t, lp, top in zip(out.new_token_ids, out.logprobs, tops)
+        ]
+
+    async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Events of every choice, interleaved as they come; choice index = prompt * n + i."""
         gens = [
             self._choice(p * self.job.n + i, prompt)
@@ -116,8 +137,9 @@ class JobRun:
             for i in range(self.job.n)
         ]
         if len(gens) == 1:
-            async for ev in gens[0]:
-                yield ev
+            async with aclosing(gens[0]) as events:
+                async for ev in events:
+                    yield ev
             return
         # bounded: when the reader stalls the pumps stop, and each engine channel merges outputs
         q: asyncio.Queue = asyncio.Queue(maxsize=4 * len(gens))
@@ -130,7 +152,7 @@ class JobRun:
                 await q.put(done)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # forwarded to the consumer
+            except Exception as e:  # noqa: BLE001 (forwarded to the consumer, who raises it)
                 await q.put(e)
             finally:
                 await g.aclose()  # (cancelled at q.put: g's cleanup, the engine abort, runs now)

@@ -11,7 +11,8 @@ Speculation (the terms are rejection.py's):
   specd_draft_tokens_by_position_total{position}, specd_accepted_tokens_by_position_total{position}
       acceptance at draft position j = rate(accepted{position="j"}) / rate(draft{position="j"})
   specd_target_passes_total           target forwards per sequence (prefill pass included)
-      tokens per target pass = rate(specd_output_tokens_total[1m]) / rate(specd_target_passes_total[1m])
+      tokens per target pass =
+          rate(specd_output_tokens_total[1m]) / rate(specd_target_passes_total[1m])
   specd_tokens_per_pass               histogram: tokens one sequence got from one target pass
   specd_draft_length                  histogram: K the controller chose, per sequence and round
   specd_round_phase_seconds{phase}    histogram: draft / verify / accept wall time of each round
@@ -21,7 +22,8 @@ Serving:
   specd_output_tokens_total, specd_prompt_tokens_total
       output tok/s = rate(specd_output_tokens_total[1m])
   specd_requests_total{endpoint, status}          HTTP requests by final status (499: client left)
-  specd_sequences_finished_total{finish_reason}   sequences (choices) by stop / length / abort / error
+  specd_sequences_finished_total{finish_reason}   sequences (choices) by stop / length / abort /
+                                                  error
   specd_inter_token_latency_seconds   histogram, per output token: a sequence that receives n
       tokens after a gap g since its previous tokens adds n observations of g / n, so quantiles
       are per token, not per round:
@@ -40,62 +42,20 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-ITL_BUCKETS = (
-    0.001,
-    0.002,
-    0.004,
-    0.006,
-    0.008,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    1.0,
-    2.0,
+
+def _per(unit: int, *counts: int) -> tuple[float, ...]:
+    """Bucket bounds in seconds, written as whole ``1/unit`` s (exact: int / int rounds once)."""
+    return tuple(c / unit for c in counts)
+
+
+ITL_BUCKETS = _per(
+    1000, 1, 2, 4, 6, 8, 10, 15, 20, 30, 40, 50, 75, 100, 150, 200, 300, 500, 1000, 2000
 )
-REQUEST_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    320.0,
+REQUEST_BUCKETS = _per(
+    1000, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 20000, 40000, 80000, 160000, 320000
 )
-PHASE_BUCKETS = (
-    0.0002,
-    0.0005,
-    0.001,
-    0.002,
-    0.005,
-    0.01,
-    0.02,
-    0.035,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
+PHASE_BUCKETS = _per(
+    10000, 2, 5, 10, 20, 50, 100, 200, 350, 500, 750, 1000, 1500, 2500, 5000, 10000, 25000
 )
 
 
@@ -182,7 +142,8 @@ class Metrics:
             "specd_inter_token_latency_seconds",
             "Inter-token latency per output token: n tokens received after a gap g add "
             "n observations of g/n, so quantiles are per token, not per round. p95: "
-            "histogram_quantile(0.95, sum by (le) (rate(specd_inter_token_latency_seconds_bucket[1m])))",
+            "histogram_quantile(0.95, sum by (le) "
+            "(rate(specd_inter_token_latency_seconds_bucket[1m])))",
             ITL_BUCKETS,
         )
         self._ttft = hist(
@@ -282,7 +243,8 @@ class SequenceClock:
     """Latencies of one sequence as the server sees its outputs arrive."""
 
     def __init__(self, metrics: Metrics, started: float):
-        self.m, self.started, self.last = metrics, started, None
+        self.m, self.started = metrics, started
+        self.last: float | None = None
 
     def tokens(self, n: int, seq=None) -> None:
         if n <= 0:

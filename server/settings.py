@@ -1,8 +1,10 @@
-"""Server settings. Precedence: command-line flag > environment (SPECD_*) > config file > default."""
+"""Server settings. Precedence: command-line flag > environment (SPECD_*) > config file >
+default."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -38,7 +40,7 @@ class ServerSettings:
 
     @classmethod
     def from_sources(
-        cls, file_data: dict | None, env: dict | None = None, flags: dict | None = None
+        cls, file_data: dict | None, env: Mapping[str, str] | None = None, flags: dict | None = None
     ) -> ServerSettings:
         env = os.environ if env is None else env
         values: dict = {}

@@ -1,7 +1,6 @@
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -21,17 +20,8 @@ def real_fp32():
 @pytest.fixture(scope="session")
 def tiny_llama():
     """A tiny random Llama built in the test (no download): fast forward-level checks."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests import helpers
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
+    return helpers.tiny_llama(
+        0, layers=3, vocab=96, hidden=64, heads=4, kv_heads=2, max_positions=256, tie=True
     )
-    return LlamaForCausalLM(cfg).eval()

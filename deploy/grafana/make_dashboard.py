@@ -68,8 +68,10 @@ PANELS = [  # (title, unit, [(legend, expr)])
         [
             (
                 "{{phase}}",
-                "histogram_quantile(0.95, sum by (le, phase) "
-                f"(rate(specd_round_phase_seconds_bucket{SEL}[$__rate_interval])))",
+                (
+                    "histogram_quantile(0.95, sum by (le, phase) "
+                    f"(rate(specd_round_phase_seconds_bucket{SEL}[$__rate_interval])))"
+                ),
             )
         ],
     ),

@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from ..model_runner import ModelRunner
+from ..plan import RoundPlan, to_device
 from ..sampling import logits_to_probs
 from ..sequence import Sequence
-from .base import Drafter, Proposal
+from .base import DrafterBase, Proposal
 
 
 class TokenizerMismatchError(ValueError):
@@ -33,8 +34,9 @@ def check_same_vocab(target_tok, draft_tok) -> None:
         )
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(DrafterBase):
     samples = True
+    runner: ModelRunner
 
     def __init__(self, runner: ModelRunner, vocab_size: int, name: str = "draft_model"):
         self.runner, self.vocab_size, self.name = runner, vocab_size, name
@@ -52,7 +54,7 @@ class ModelDrafter(Drafter):
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)
 
-    def propose(self, seqs: list[Sequence], plan) -> Proposal:
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks, noise = plan.ks, plan.draft_noise
         dev = self.runner.device
         kmax = max(ks)
@@ -62,28 +64,28 @@ class ModelDrafter(Drafter):
         if not rows:
             return Proposal(tokens, list(ks), probs)
         cache = self.cache
-        idx = torch.tensor(rows, device=dev)
+        idx = to_device(rows, torch.long, dev)
         temp, top_k, top_p = plan.temperature[idx], plan.top_k[idx], plan.top_p[idx]
         greedy = plan.greedy[idx]
-        feed: list[list[int]] | torch.Tensor = [
-            seqs[b].tokens[cache.lengths[seqs[b].slot] :] for b in rows
-        ]  # catch-up feed
-        counts = [len(f) for f in feed]
+        catch_up = [seqs[b].token_array()[cache.lengths[seqs[b].slot] :].tolist() for b in rows]
+        counts = [len(f) for f in catch_up]
+        feed: list[list[int]] | torch.Tensor = catch_up  # then [rows, 1] drafted tokens
         for j in range(kmax):
             active = [i for i, b in enumerate(rows) if ks[b] > j]
             if len(active) < len(rows):  # rows whose K is reached leave the draft batch
                 rows = [rows[i] for i in active]
-                idx = torch.tensor(active, device=dev)
+                idx = to_device(active, torch.long, dev)
                 temp, top_k, top_p, greedy = temp[idx], top_k[idx], top_p[idx], greedy[idx]
+                assert isinstance(feed, torch.Tensor)  # rows only leave after the first step
                 feed, counts = feed[idx], [counts[i] for i in active]
             slots = [seqs[b].slot for b in rows]
-            logits = self.runner.forward(feed, slots, counts=counts)[
-                :, : self.vocab_size
-            ]  # [rows, vocab]
+            logits = self.runner.forward(feed, slots, counts=counts)  # [rows, vocab']
+            logits = logits[:, : self.vocab_size]  # [rows, vocab]
             for s, n in zip(slots, counts):
                 cache.commit(s, cache.lengths[s] + n)
-            q = logits_to_probs(logits[:, None], temp, top_k, top_p)[:, 0]  # [rows, vocab]
-            row_t = torch.tensor(rows, device=dev)
+            q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)
+            q = q[:, 0]  # [rows, vocab]
+            row_t = to_device(rows, torch.long, dev)
             if noise is not None:
                 sampled = (q / noise[row_t, j]).argmax(-1)
                 tok = torch.where(greedy, q.argmax(-1), sampled)

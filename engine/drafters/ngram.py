@@ -7,8 +7,9 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from ..plan import RoundPlan
 from ..sequence import Sequence
-from .base import Drafter, Proposal
+from .base import DrafterBase, Proposal
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> list[int]:
@@ -30,7 +31,7 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> 
     return []
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(DrafterBase):
     name = "ngram"
     samples = False
 
@@ -42,10 +43,10 @@ class NgramDrafter(Drafter):
             raise ValueError("need 1 <= ngram min_n <= max_n")
         self.device, self.min_n, self.max_n = torch.device(device), min_n, max_n
 
-    def propose(self, seqs: list[Sequence], plan) -> Proposal:
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks = plan.ks
         drafts = [
-            ngram_lookup(np.asarray(s.tokens), k, self.min_n, self.max_n) if k > 0 else []
+            ngram_lookup(s.token_array(), k, self.min_n, self.max_n) if k > 0 else []
             for s, k in zip(seqs, ks)
         ]
         width = max([len(d) for d in drafts] + [0])
@@ -53,4 +54,4 @@ class NgramDrafter(Drafter):
         tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(
             len(seqs), width
         )
-        return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None, tokens_host=drafts)
+        return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None)

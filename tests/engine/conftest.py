@@ -1,44 +1,25 @@
 """Tiny random Llama target and draft models built in the test (no download), and an engine over
-them: shared by the worker and fault-injection tests."""
+them (tests/helpers.py): shared by the worker, fast-path and fault-injection tests."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.drafters import ModelDrafter, NgramDrafter
-from engine.engine import SpecEngine
-from engine.model_runner import ModelRunner
+from tests.helpers import engine_for, tiny_llama
+
+__all__ = ["engine_for"]
 
 
 @pytest.fixture(scope="module")
 def models():
-    def make(seed, layers):
-        torch.manual_seed(seed)
-        cfg = LlamaConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        )
-        return LlamaForCausalLM(cfg).eval()
-
-    return make(5, 3), make(6, 1)
+    """(target: 3 layers, draft: 1 layer), vocabulary 64, untied."""
+    return tiny_llama(5, layers=3), tiny_llama(6, layers=1)
 
 
-def engine_for(models, drafter="model", slots=8, chunk=512):
-    target, draft = models
-    runner = ModelRunner(target, num_slots=slots, max_len=256)
-    d = (
-        ModelDrafter(ModelRunner(draft, num_slots=slots, max_len=256), 64)
-        if drafter == "model"
-        else NgramDrafter("cpu")
-        if drafter == "ngram"
-        else None
-    )
-    return SpecEngine(
-        runner, d, eos_token_ids=[], max_prefill_per_step=4, prefill_chunk_tokens=chunk
-    )
+@pytest.fixture
+def single_thread():
+    """One torch thread for the test (tiny models: threads only add synchronisation, and on a
+    shared machine they spin against each other); the previous count is restored."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

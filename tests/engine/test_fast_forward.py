@@ -42,9 +42,14 @@ def test_handles_only_shapes_inside_the_buckets(models):
         CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4], q_buckets=[1, 3]),
         k_max=2,
     )
-    assert f.handles([0, 3], 3) and f.handles([1], 1)
-    assert not f.handles([4], 1)  # slot 4 is past the largest batch bucket (rows are slots)
-    assert not f.handles([0], 4)  # q past the largest q bucket: eager
+
+    def handles(slots, q):  # rows are slots: a forward runs slots [0, max + 1)
+        return f.bucket_shape(max(slots) + 1, q) is not None
+
+    assert handles([0, 3], 3) and handles([1], 1)
+    assert f.bucket_shape(4, 3) == (4, 3) and f.bucket_shape(2, 1) == (2, 1)
+    assert not handles([4], 1)  # slot 4 is past the largest batch bucket (rows are slots)
+    assert not handles([0], 4)  # q past the largest q bucket: eager
     with pytest.raises(ValueError):
         FastForward(e.target, CompileConfig(batch_buckets=[16]), k_max=2)  # 8 slots only
 
@@ -138,7 +143,7 @@ def test_worker_is_not_ready_until_warmed_up(models):
 
     def slow_warm_up():
         with pytest.raises(NotAcceptingError):
-            w.check_admission(1)  # still warming: refused (HTTP 503)
+            w.reserve(1)  # still warming: refused (HTTP 503)
         calls.append(1)
         real()
 
@@ -149,7 +154,7 @@ def test_worker_is_not_ready_until_warmed_up(models):
     try:
         assert w.warmed.wait(60)
         assert calls == [1]
-        w.check_admission(1)
+        w.reserve(1).release()
     finally:
         w.shutdown()
     # an engine without a fast path is ready at once

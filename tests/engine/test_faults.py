@@ -11,23 +11,17 @@ from engine.drafters.base import Proposal
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.worker import EngineError, EngineWorker
-from tests.engine.conftest import engine_for
+from tests.helpers import engine_for
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 40)), [7] * 5]
 GREEDY = SamplingParams(temperature=0, max_tokens=30)
 
 
-_plain = {}
-
-
-def plain(models):
-    """Target-only greedy outputs of PROMPTS (computed once)."""
-    if not _plain:
-        e = engine_for(models, None)
-        _plain["out"] = [
-            s.output_ids for s in e.generate(PROMPTS, GREEDY, SpecParams(enabled=False))
-        ]
-    return _plain["out"]
+@pytest.fixture(scope="module")
+def ref(models):
+    """Target-only greedy outputs of PROMPTS (computed once per module)."""
+    e = engine_for(models, None)
+    return [s.output_ids for s in e.generate(PROMPTS, GREEDY, SpecParams(enabled=False))]
 
 
 def idle(e):
@@ -43,7 +37,7 @@ def idle(e):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_drafter_that_always_raises_falls_back_to_exact_plain_decoding(models, drafter):
+def test_drafter_that_always_raises_falls_back_to_exact_plain_decoding(models, ref, drafter):
     e = engine_for(models, drafter)
 
     def boom(*a, **k):
@@ -51,13 +45,13 @@ def test_drafter_that_always_raises_falls_back_to_exact_plain_decoding(models, d
 
     e.drafter.propose = boom
     seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
-    assert [s.output_ids for s in seqs] == plain(models)
+    assert [s.output_ids for s in seqs] == ref
     assert e.drafter_failures == 1  # one batched propose failed; its rows then decode plainly
     assert all(s.drafted == 0 and not s.spec.enabled for s in seqs)
     assert idle(e)
 
 
-def test_drafter_failing_mid_propose_keeps_output_exact_and_later_requests_speculate(models):
+def test_drafter_failing_mid_propose_keeps_output_exact_and_later_requests_speculate(models, ref):
     e = engine_for(models, "model")
     runner = e.drafter.runner
     real = runner.forward
@@ -71,16 +65,16 @@ def test_drafter_failing_mid_propose_keeps_output_exact_and_later_requests_specu
 
     runner.forward = flaky
     seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
-    assert [s.output_ids for s in seqs] == plain(models)
+    assert [s.output_ids for s in seqs] == ref
     assert e.drafter_failures == 1
     del runner.forward
     again = e.generate(PROMPTS[:1], GREEDY, SpecParams(k=3))[0]  # a new request drafts again
-    assert again.output_ids == plain(models)[0] and again.drafted > 0
+    assert again.output_ids == ref[0] and again.drafted > 0
     assert idle(e)
 
 
 @pytest.mark.parametrize("fault", ["add", "commit", "remove", "malformed"])
-def test_other_drafter_faults_are_exact_and_counted(models, fault):
+def test_other_drafter_faults_are_exact_and_counted(models, ref, fault):
     e = engine_for(models, "model")
     d = e.drafter
     if fault == "malformed":
@@ -94,7 +88,7 @@ def test_other_drafter_faults_are_exact_and_counted(models, fault):
 
         setattr(d, fault, boom)
     seqs = e.generate(PROMPTS, GREEDY, SpecParams(k=3))
-    assert [s.output_ids for s in seqs] == plain(models)
+    assert [s.output_ids for s in seqs] == ref
     assert e.drafter_failures >= 1
     assert not e.has_work() and e.target.cache.used_tokens() == 0
 
@@ -107,10 +101,9 @@ async def collect(w, rid, prompt, params, spec=None):
     ]
 
 
-def test_target_step_fault_fails_only_the_requests_in_the_step(models):
+def test_target_step_fault_fails_only_the_requests_in_the_step(models, ref):
     """One KV slot: 'a' runs, 'b' waits for the slot. The step fails: 'a' gets an error, 'b'
     (not in the step) still completes exactly, and the worker serves the next request."""
-    ref = plain(models)
     e = engine_for(models, "ngram", slots=1)
     w = EngineWorker(e)
     real = e.step
@@ -141,8 +134,7 @@ def test_target_step_fault_fails_only_the_requests_in_the_step(models):
         w.shutdown()
 
 
-def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(models):
-    ref = plain(models)
+def test_stalled_reader_does_not_block_the_engine_and_loses_nothing(models, ref):
     long = SamplingParams(temperature=0, max_tokens=120)
     ref_long = engine_for(models, None).generate([PROMPTS[0]], long, SpecParams(enabled=False))[0]
     e = engine_for(models, "ngram")

@@ -6,11 +6,10 @@ sampling reproduces."""
 import pytest
 import torch
 
-from engine.builder import build_engine
-from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams, Status
 from loadtest.datasets import encode, human_eval, mt_bench
+from tests import helpers
 
 pytestmark = pytest.mark.real_model
 MAX_TOKENS = 32
@@ -41,16 +40,16 @@ def reference(real_fp32, prompts):
     return out
 
 
-def engine_for(real_fp32, method, **drafter):
-    cfg = EngineConfig.from_dict(
-        {
-            "model": {"dtype": "float32"},
-            "max_running": 8,
-            "max_model_len": 1024,
-            "drafter": {"method": method, **drafter},
-        }
+def real_engine(real_fp32, method, num_layers=None, dtype=None):
+    """An engine over the real model (fp32 target), 8 slots (tests/helpers.py)."""
+    return helpers.engine_for(
+        real_fp32[0],
+        method,
+        slots=8,
+        max_len=1024,
+        num_layers=num_layers,
+        draft_dtype=getattr(torch, dtype) if dtype else None,
     )
-    return build_engine(cfg, real_fp32).engine
 
 
 def assert_same(seqs, reference):
@@ -63,17 +62,17 @@ def run_each(engine, prompts, k, on_step=None):
 
 
 def test_plain_engine_equals_transformers_generate(real_fp32, prompts, reference):
-    assert_same(run_each(engine_for(real_fp32, "none"), prompts, 0), reference)
+    assert_same(run_each(real_engine(real_fp32, "none"), prompts, 0), reference)
 
 
 def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
-    seqs = run_each(engine_for(real_fp32, "ngram"), prompts, k=5)
+    seqs = run_each(real_engine(real_fp32, "ngram"), prompts, k=5)
     assert_same(seqs, reference)
     assert sum(s.accepted for s in seqs) > 0 and sum(s.drafted for s in seqs) > 0
 
 
 def test_self_draft_accepts_everything(real_fp32, prompts, reference):
-    engine = engine_for(real_fp32, "self")
+    engine = real_engine(real_fp32, "self")
     rounds = []
     seqs = run_each(
         engine,
@@ -89,14 +88,14 @@ def test_self_draft_accepts_everything(real_fp32, prompts, reference):
 
 
 def test_early_layers_draft_exercises_rejections(real_fp32, prompts, reference):
-    seqs = run_each(engine_for(real_fp32, "layers", num_layers=8), prompts[:4], k=2)
+    seqs = run_each(real_engine(real_fp32, "layers", num_layers=8), prompts[:4], k=2)
     assert_same(seqs, reference[:4])
     drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
     assert drafted - accepted > 10  # many rejections, all recovered exactly
 
 
 def test_bf16_draft_model_high_acceptance(real_fp32, prompts, reference):
-    seqs = run_each(engine_for(real_fp32, "self", dtype="bfloat16"), prompts[:3], k=4)
+    seqs = run_each(real_engine(real_fp32, "self", dtype="bfloat16"), prompts[:3], k=4)
     assert_same(seqs, reference[:3])
     assert sum(s.accepted for s in seqs) > 0.8 * sum(s.drafted for s in seqs)
 
@@ -105,7 +104,7 @@ def test_bf16_draft_model_high_acceptance(real_fp32, prompts, reference):
     "method,extra,k", [("ngram", {}, 4), ("self", {}, 3), ("layers", {"num_layers": 15}, 2)]
 )
 def test_ragged_batch_is_lossless(real_fp32, prompts, reference, method, extra, k):
-    engine = engine_for(real_fp32, method, **extra)
+    engine = real_engine(real_fp32, method, **extra)
     assert len({len(p) for p in prompts}) > 4  # prompts of different lengths
     seqs = engine.generate(prompts, GREEDY, SpecParams(k=k))
     assert_same(seqs, reference)
@@ -113,10 +112,9 @@ def test_ragged_batch_is_lossless(real_fp32, prompts, reference, method, extra, 
 
 
 def test_kv_caches_equal_fresh_prefill_after_every_round(real_fp32, prompts):
-    model, _ = real_fp32
-    engine = engine_for(real_fp32, "layers", num_layers=15)
+    engine = real_engine(real_fp32, "layers", num_layers=15)
     draft = engine.drafter.runner
-    fresh = engine_for(real_fp32, "none").target
+    fresh = real_engine(real_fp32, "none").target
     slot = fresh.cache.allocate()
     params = SamplingParams(temperature=0, max_tokens=20)
     seqs = [
@@ -149,11 +147,13 @@ def test_kv_caches_equal_fresh_prefill_after_every_round(real_fp32, prompts):
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
 def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method):
-    engine = engine_for(real_fp32, method)
+    engine = real_engine(real_fp32, method)
 
     def sample(seed):
         p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=seed)
-        return engine.generate([prompts[2]], p, SpecParams(k=3))[0].output_ids
+        s = engine.generate([prompts[2]], p, SpecParams(k=3))[0]
+        assert s.drafted > 0  # a forced K speculates (seeded requests never do by default)
+        return s.output_ids
 
     a, b, c = sample(11), sample(11), sample(12)
     assert a == b
@@ -165,7 +165,7 @@ def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method)
 )
 def test_adaptive_k_is_lossless(real_fp32, prompts, reference, method, extra):
     """Adaptive K (the default controller, measured costs of this machine), batched: exact."""
-    engine = engine_for(real_fp32, method, **extra)
+    engine = real_engine(real_fp32, method, **extra)
     rounds = []
     seqs = engine.generate(
         prompts,

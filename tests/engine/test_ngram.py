@@ -44,7 +44,10 @@ def test_min_n_excludes_short_matches():
 
 def test_proposal_is_ragged_and_one_hot():
     d = NgramDrafter("cpu")
-    mk = lambda toks: Sequence("x", toks, SamplingParams(), SpecParams())
+
+    def mk(toks):
+        return Sequence("x", toks, SamplingParams(), SpecParams())
+
     prop = d.propose(
         [mk([1, 2, 3, 1, 2]), mk([4, 5, 6]), mk([1, 1, 1, 1])], SimpleNamespace(ks=[3, 3, 0])
     )

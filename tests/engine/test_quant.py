@@ -8,6 +8,7 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
+from engine.fast_forward import CompileConfig, attach
 from engine.loader import resolve_source
 from engine.model_runner import ModelRunner
 from engine.quant import (
@@ -18,6 +19,7 @@ from engine.quant import (
     _row_perm,
     convert_q4_1,
     convert_q8_0_head,
+    use_native_q4,
 )
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
@@ -55,9 +57,29 @@ def test_converted_weights_are_the_files(real_fp32):
     assert convert_q4_1(path, unfused, fuse=False) == 210
     assert convert_q8_0_head(path, q4) and convert_q8_0_head(path, unfused)
     assert q4.head.shape == (49152, 2 * 576)  # [x, x] @ [high nibbles | low nibbles].T
-    assert all(w[1].split == (576, 192, 192) and w[3] is None and w[5] is None for w in q4.weights)
-    assert all(w[9].split == (1536, 1536) and w[10] is None for w in q4.weights)
-    assert all(isinstance(x, Q4Weight) for w in unfused.weights for x in w[1:12:2] + (w[10],))
+    assert all(
+        w.qkv is not None
+        and w.qkv.split == (576, 192, 192)
+        and w.q is None
+        and w.k is None
+        and w.v is None
+        and isinstance(w.o, Q4Weight)
+        and isinstance(w.down, Q4Weight)
+        for w in q4.weights
+    )
+    assert all(
+        w.gate_up is not None
+        and w.gate_up.split == (1536, 1536)
+        and w.gate is None
+        and w.up is None
+        for w in q4.weights
+    )
+    projections = ("q", "k", "v", "o", "gate", "up", "down")
+    assert all(
+        w.qkv is None and w.gate_up is None and isinstance(getattr(w, f), Q4Weight)
+        for w in unfused.weights
+        for f in projections
+    )
     ids = tok("def fibonacci(n):\n    ", return_tensors=None)["input_ids"]
     a = dense.forward([ids], [0], logits="all")
     b = q4.forward([ids], [0], logits="all")
@@ -76,7 +98,7 @@ def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
         }
     )
     engine = build_engine(cfg, real_fp32).engine
-    assert isinstance(engine.target.weights[0][1], Q4Weight)
+    assert isinstance(engine.target.weights[0].qkv, Q4Weight)
     _, tok = real_fp32
     prompts = [
         tok(t, return_tensors=None)["input_ids"]
@@ -90,3 +112,27 @@ def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
     spec = engine.generate(prompts, greedy, SpecParams(k=4))
     assert [s.output_ids for s in spec] == plain
     assert sum(s.drafted for s in spec) > 0
+
+
+def test_4bit_layer_weights_trace_through_the_compiled_path(real_fp32):
+    """The 4-bit LayerWeights (fused qkv and gate_up) pass through dynamo as the compiled layer's
+    argument (backend "eager": the trace without inductor; one graph for every layer): the
+    fast path's logits are the eager 4-bit forward's."""
+    model, tok = real_fp32
+    eager, traced = ModelRunner(model, 4, 128), ModelRunner(model, 4, 128)
+    assert use_native_q4(REAL_SPEC, eager, traced) == 210
+    assert traced.weights is not eager.weights and traced.weights[0] is eager.weights[0]
+    ccfg = CompileConfig(enabled=True, backend="eager", batch_buckets=[4], q_buckets=[4])
+    attach(traced, ccfg, k_max=3)
+    ids = tok("The capital of France is", return_tensors=None)["input_ids"]
+    out = []
+    for r in (eager, traced):
+        s = r.cache.allocate()
+        r.forward([ids], [s])  # prefill: eager (longer than the q bucket)
+        r.cache.commit(s, len(ids))
+        out.append(r.forward(torch.tensor([[5, 6, 7]]), [s], counts=[3], logits="all"))
+    assert traced.fast is not None and traced.fast.calls == 1
+    # padded to the bucket's 4 rows x 4 tokens, the int4 kernel blocks rows differently: fp32
+    # rounding apart, no more
+    assert torch.allclose(out[0], out[1], atol=1e-3, rtol=0), (out[0] - out[1]).abs().max()
+    assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))

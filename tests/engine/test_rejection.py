@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.rejection import rejection_sample
+from tests.helpers import chi_square_gof
 
 
 def onehot_probs(rows):  # rows: list of list of argmax ids -> [batch, t, vocab=8] peaked probs
@@ -84,9 +85,10 @@ def test_sampled_one_hot_draft_rejected_token_is_never_recovered():
 
 
 def test_sampled_draft_probs_equal_to_target_always_accept():
-    p = torch.softmax(torch.randn(3, 4, 10), -1)
-    drafts = torch.multinomial(p[:, :3].reshape(-1, 10), 1).reshape(3, 3)
-    u = torch.rand(3, 3) * 0.999
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(3, 4, 10, generator=g), -1)
+    drafts = torch.multinomial(p[:, :3].reshape(-1, 10), 1, generator=g).reshape(3, 3)
+    u = torch.rand(3, 3, generator=g) * 0.999
     a, _ = rejection_sample(
         p,
         drafts,
@@ -156,9 +158,15 @@ def test_emitted_tokens_are_distributed_as_target(k, temperature, top_p, one_hot
         m = int(reached.sum())
         if m < 2000:
             break
-        hist = torch.bincount(emitted, minlength=vocab).float() / m
+        counts = torch.bincount(emitted, minlength=vocab)
+        hist = counts.float() / m
         tv_p = 0.5 * float((hist - p[j]).abs().sum())
         assert tv_p < _tv_bound(p[j], m), (j, tv_p, hist, p[j])
+        # and a goodness-of-fit test at a fixed significance (the TV bound above is loose)
+        _, pval, _ = chi_square_gof(
+            dict(enumerate(counts.tolist())), dict(enumerate(p[j].tolist()))
+        )
+        assert pval >= 1e-3, (j, pval, hist, p[j])
         if j < k:
             tv_q = 0.5 * float((p[j] - q[j]).abs().sum())
             assert tv_q > 4 * _tv_bound(p[j], m) or tv_q < 0.02, "test too weak: q too close to p"

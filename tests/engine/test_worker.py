@@ -1,7 +1,11 @@
 """The async engine worker: concurrent requests share rounds and each produces exactly what it
-produces alone; joins, aborts, queue limits, faults, chunked prefill and shutdown."""
+produces alone; joins, aborts, admission (reservations), faults, chunked prefill, shutdown and a
+dying engine loop. No test waits on the clock: each waits for the event it needs (an output,
+a request that completes after an abort in the same inbox)."""
 
 import asyncio
+import threading
+from contextlib import aclosing
 
 import pytest
 
@@ -27,17 +31,26 @@ def alone(models, drafter="model"):
     return out
 
 
-async def collect(worker, rid, prompt, params, k, outs=None):
+async def collect(worker, rid, prompt, params, k, outs=None, started=None):
+    """The request's tokens; ``outs`` gets its outputs, ``started`` is set at the first one."""
     toks = []
     async for o in worker.submit(rid, prompt, params, SpecParams(enabled=k > 0, k=k)):
         toks += o.new_token_ids
         if outs is not None:
             outs.append(o)
+        if started is not None:
+            started.set()
     return toks
 
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def settle(w):
+    """Return once every abort sent so far has landed: the inbox is FIFO, so a request submitted
+    now completes only after the engine took the earlier commands."""
+    run(collect(w, "settle", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1), 0))
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
@@ -69,20 +82,19 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
     async def main():
         first = asyncio.create_task(collect(w, "a", *REQUESTS[0][:2], REQUESTS[0][2]))
         victim_outs = []
+        v_started = asyncio.Event()
 
         async def victim():
-            async for o in w.submit(
-                "v",
-                list(range(5, 30)),
-                SamplingParams(temperature=0, max_tokens=200),
-                SpecParams(k=3),
-            ):
-                victim_outs.append(o)
-                if len(victim_outs) == 3:
-                    return  # stop reading: the worker must abort it
+            params = SamplingParams(temperature=0, max_tokens=200)
+            async with aclosing(w.submit("v", list(range(5, 30)), params, SpecParams(k=3))) as it:
+                async for o in it:
+                    victim_outs.append(o)
+                    v_started.set()
+                    if len(victim_outs) == 3:
+                        return  # stop reading: the worker must abort it
 
         v = asyncio.create_task(victim())
-        await asyncio.sleep(0.05)  # the others join while a and v are running
+        await v_started.wait()  # the others join while a and v are running
         rest = [
             asyncio.create_task(collect(w, f"r{i}", p, sp, k))
             for i, (p, sp, k) in enumerate(REQUESTS[1:], 1)
@@ -92,10 +104,8 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
 
     try:
         got = asyncio.run(main())
-        for _ in range(100):  # the abort lands between rounds
-            if not e.has_work():
-                break
-            asyncio.run(asyncio.sleep(0.02))
+        settle(w)  # the victim's abort has landed
+        assert not e.has_work()
     finally:
         w.shutdown()
     assert got == ref
@@ -103,16 +113,27 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
     assert e.drafter.cache.used_tokens() == 0
 
 
-def test_queue_limit(models):
+def test_admission_reserves_room_atomically_until_released(models):
     e = engine_for(models, slots=2)
-    w = EngineWorker(e, max_queued=1)
+    w = EngineWorker(e, max_queued=1)  # room for 3
     w.start()
     try:
-        w.check_admission(3)
+        held = w.reserve(2)
         with pytest.raises(QueueFullError):
-            w.check_admission(4)
+            w.reserve(2)
+        one = w.reserve(1)
+        with pytest.raises(QueueFullError):
+            w.reserve(1)
+        assert w.in_flight == 3
+        held.release()
+        held.release()  # idempotent
+        assert w.in_flight == 1
+        with w.reserve(2):
+            assert w.in_flight == 3
+        one.release()
+        assert w.in_flight == 0
 
-        async def main():
+        async def main():  # submits without a reservation take their own, when they start
             gens = [
                 w.submit(f"q{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50))
                 for i in range(4)
@@ -120,17 +141,69 @@ def test_queue_limit(models):
             firsts = [await g.__anext__() for g in gens[:3]]
             with pytest.raises(QueueFullError):
                 await gens[3].__anext__()
+            assert w.in_flight == 3
             for g in gens[:3]:
                 await g.aclose()
+            assert w.in_flight == 0
             return firsts
 
         assert len(run(main())) == 3
-        for _ in range(100):
-            if not e.has_work():
-                break
-            asyncio.run(asyncio.sleep(0.02))
-        assert e.target.cache.used_tokens() == 0
+        settle(w)  # the aborts of the closed requests have landed
+        assert not e.has_work() and e.target.cache.used_tokens() == 0
     finally:
+        w.shutdown()
+
+
+def test_a_reservation_covers_its_submits(models):
+    e = engine_for(models, "ngram", slots=1)
+    w = EngineWorker(e, max_queued=0)
+    w.start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=5)
+
+        async def main():
+            with w.reserve(1) as room:
+                out = [
+                    t
+                    async for o in w.submit("r", [1, 2, 3], params, SpecParams(k=2), room)
+                    for t in o.new_token_ids
+                ]
+                with pytest.raises(QueueFullError):  # its own reservation: no room left
+                    await w.submit("s", [1, 2, 3], params).__anext__()
+            return out
+
+        assert len(run(main())) == 5 and w.in_flight == 0
+    finally:
+        w.shutdown()
+
+
+def test_worker_turns_unhealthy_when_the_engine_loop_dies(models):
+    e = engine_for(models, "ngram")
+    w = EngineWorker(e)
+    calls = {"n": 0}
+    real = e.has_work
+
+    def broken():  # outside a step: nothing catches it but the loop's own guard
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise RuntimeError("the loop itself failed")
+        return real()
+
+    e.has_work = broken
+    w.start()
+    try:
+
+        async def main():
+            with pytest.raises(EngineError):  # an open request is answered, not left hanging
+                await collect(w, "x", [1, 2, 3], SamplingParams(temperature=0, max_tokens=9), 2)
+
+        run(asyncio.wait_for(main(), 60))
+        w._thread.join(30)
+        assert not w.healthy and not w.running
+        with pytest.raises(NotAcceptingError):
+            w.reserve(1)
+    finally:
+        del e.has_work
         w.shutdown()
 
 
@@ -187,10 +260,10 @@ def test_graceful_shutdown_finishes_running_then_refuses(models):
     w.start()
 
     async def main():
-        t = asyncio.create_task(
-            collect(w, "s", [1, 2, 3], SamplingParams(temperature=0, max_tokens=30), 2)
-        )
-        await asyncio.sleep(0.02)
+        started = asyncio.Event()
+        params = SamplingParams(temperature=0, max_tokens=30)
+        t = asyncio.create_task(collect(w, "s", [1, 2, 3], params, 2, started=started))
+        await started.wait()  # the request is running
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, w.shutdown, 30)
         return await t
@@ -198,28 +271,26 @@ def test_graceful_shutdown_finishes_running_then_refuses(models):
     out = run(main())
     assert len(out) == 30 and not w.running
     with pytest.raises(NotAcceptingError):
-        w.check_admission(1)
+        w.reserve(1)
 
 
-def test_run_here_serves_then_drains_on_request_shutdown(models):
+def test_run_here_serves_then_drains_on_shutdown(models):
     """The server's layout: the engine loop runs in the calling thread (``run_here``, the main
     thread in ``specd serve``), requests come from another thread's event loop, and
-    ``request_shutdown`` (a signal handler) lets the running request finish, then the loop
+    ``shutdown(wait=False)`` (a signal handler) lets the running request finish, then the loop
     returns and new requests are refused."""
-    import threading
-
     w = EngineWorker(engine_for(models))
     ref = alone(models)[0]
     result = {}
 
     def client():
         async def main():
-            while not w.running:
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(w.warmed.wait, 60)  # the loop runs (no warm-up to do)
             prompt, params, k = REQUESTS[0]
-            t = asyncio.create_task(collect(w, "a", prompt, params, k))
-            await asyncio.sleep(0.02)
-            w.request_shutdown(30)
+            started = asyncio.Event()
+            t = asyncio.create_task(collect(w, "a", prompt, params, k, started=started))
+            await started.wait()  # running
+            w.shutdown(30, wait=False)
             result["out"] = await t
 
         asyncio.run(main())
@@ -230,4 +301,4 @@ def test_run_here_serves_then_drains_on_request_shutdown(models):
     th.join(10)
     assert result["out"] == ref
     with pytest.raises(NotAcceptingError):
-        w.check_admission(1)
+        w.reserve(1)

@@ -19,6 +19,7 @@ def _check_latency(d: dict, count: int | None = None):
         assert d["count"] == count
 
 
+@pytest.mark.slow
 def test_closed_loop_ab_run(live, tmp_path):
     out = tmp_path / "run"
     main(

@@ -1,36 +1,40 @@
-import socket
-import threading
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
-import uvicorn
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.worker import EngineWorker
 from server.app import create_app
-from server.convert import Limits
-from server.limits import uvicorn_config
+from server.assembly import Server, assemble, engine_capacity
 from server.settings import ServerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+QUIET = {"port": 0, "log_level": "warning"}  # any free loopback port; uvicorn's warnings only
 
 
 def make_app(built, worker, **settings):
-    cfg = built.config
-    limits = Limits(
-        built.engine.target.max_len, built.engine.vocab_size, cfg.drafter.method, cfg.drafter.k_max
+    """An app over ``worker`` (run elsewhere) with these settings, as ``specd serve`` builds it."""
+    return create_app(
+        worker, built.tokenizer, MODEL, engine_capacity(built), ServerSettings(**settings)
     )
-    return create_app(worker, built.tokenizer, MODEL, limits, ServerSettings(**settings))
+
+
+def wait_until(condition, timeout: float = 1200.0, what: str = "the condition") -> None:
+    """Poll ``condition`` until it holds; ``timeout`` only bounds a hang, it asserts nothing
+    about speed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout} s"
+        time.sleep(0.02)
+
+
+def idle(engine) -> bool:
+    """The engine holds and queues nothing, and its KV cache is empty."""
+    load = engine.load()
+    return load.running == 0 and load.waiting == 0 and load.kv_used_tokens == 0
 
 
 @pytest.fixture(scope="session")
@@ -48,46 +52,26 @@ def built(real_fp32):
 
 @contextmanager
 def serving(app, settings: ServerSettings | None = None, sndbuf: int | None = None):
-    """``app`` on a real uvicorn server (specd's transport limits) on a free loopback port, in a
-    thread; yields its base URL. ``sndbuf``: the connections' kernel send buffer (no autotuning),
-    so that a client that stops reading blocks the server's writes early."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if sndbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)  # accepted sockets inherit it
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn_config(app, "127.0.0.1", port, settings or ServerSettings(), log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started and time.time() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    """``app`` (its worker run by someone else) on a real uvicorn server with specd's connection
+    limits, on a free loopback port; yields its base URL. ``sndbuf``: the connections' kernel
+    send buffer, so that a client that stops reading blocks the server's writes early."""
+    with Server(app, settings or ServerSettings(**QUIET), sndbuf=sndbuf) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="session")
 def live(built):
-    """A real uvicorn server on a loopback port, serving the real model in fp32."""
-    worker = EngineWorker(built.engine)
-    worker.start()
-    with serving(make_app(built, worker)) as url:
+    """The real model in fp32 served as ``specd serve`` serves it (server/assembly.py), the
+    engine loop in a thread of its own."""
+    with assemble(built, ServerSettings(**QUIET), engine_thread=True) as server:
         yield SimpleNamespace(
-            base_url=f"{url}/v1",
-            url=url,
-            worker=worker,
+            base_url=f"{server.url}/v1",
+            url=server.url,
+            worker=server.worker,
             engine=built.engine,
             tokenizer=built.tokenizer,
             model=built.engine.target.model,
         )
-    worker.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -3,24 +3,25 @@
 import pytest
 
 from engine.sequence import SpecParams
-from server.convert import APIError, Limits, _spec
+from server.convert import EngineCapacity, _spec
+from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.settings import ServerSettings
 
 SETTINGS = ServerSettings(spec_k_max=6)
-NGRAM = Limits(max_model_len=2048, vocab_size=100, drafter="ngram")
+NGRAM = EngineCapacity(max_model_len=2048, vocab_size=100, drafter="ngram")
 
 
-def spec(option, limits=NGRAM):
+def spec(option, capacity=NGRAM):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     if option is not None:
         body["speculation"] = option
-    return _spec(ChatCompletionRequest(**body), SETTINGS, limits)
+    return _spec(ChatCompletionRequest(**body), SETTINGS, capacity)
 
 
 def test_default_is_the_engine_controller_capped_by_the_server():
     assert spec(None) == SpecParams(enabled=True, k=None, k_max=6)
-    assert spec(None, Limits(2048, 100, "none")).enabled is False
+    assert spec(None, EngineCapacity(2048, 100, "none")).enabled is False
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,15 @@
 """Every refused request gets OpenAI's error shape and the right status; the server stays up."""
 
-import time
+import asyncio
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.worker import EngineWorker
-from tests.server.conftest import MODEL, make_app
+from engine.worker import EngineWorker, QueueFullError
+from tests.server.conftest import MODEL, idle, make_app, wait_until
+from tests.server.test_metrics import scrape, total
 
 pytestmark = pytest.mark.real_model
 
@@ -223,8 +225,11 @@ def test_still_serves_after_bad_input(api):
 
 def test_api_keys(built, live):
     with TestClient(make_app(built, live.worker, api_keys=["k1", "k2"])) as c:
-        assert_error(c.get("/v1/models"), 401)
-        assert_error(c.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            err = assert_error(c.get("/v1/models", headers=headers), 401)
+            # OpenAI's own type, code and wording (litellm reads the wording)
+            assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
+            assert err["message"].startswith("Incorrect API key provided")
         assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
         assert c.get("/health").status_code == 200  # liveness needs no key
 
@@ -242,44 +247,60 @@ def test_ready_and_health(api):
     assert api.get("/ready").json()["status"] == "ready"
 
 
+def finished(metrics_text: str, reason: str) -> float:
+    return total(scrape(metrics_text), "specd_sequences_finished_total", finish_reason=reason)
+
+
 def test_disconnect_aborts_engine_work(live):
     engine = live.engine
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
-        "max_tokens": 400,
+        "max_tokens": 900,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.Client(timeout=60) as c:
-        with c.stream("POST", f"{live.base_url}/completions", json=body) as r:
-            lines = r.iter_lines()
-            got = 0
-            for line in lines:
-                if line.startswith("data: {"):
-                    got += 1
-                if got >= 2:
-                    break
-            running = [s for s in engine.running]
-            assert running, "the request should be running in the engine"
-            seq = running[0]
-    deadline = time.time() + 20
-    while (engine.running or engine.target.cache.used_tokens()) and time.time() < deadline:
-        time.sleep(0.05)
-    assert seq.finish_reason == "abort" and len(seq.output_ids) < 400
-    assert not engine.running and engine.target.cache.used_tokens() == 0
+    before = httpx.get(f"{live.url}/metrics").text
+    with (
+        httpx.Client(timeout=60) as c,
+        c.stream("POST", f"{live.base_url}/completions", json=body) as r,
+    ):
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+            if got >= 2:
+                break
+        assert engine.load().running == 1, "the request should be running in the engine"
+    wait_until(lambda: idle(engine) and live.worker.in_flight == 0, what="the abort")
+    after = httpx.get(f"{live.url}/metrics").text
+    assert finished(after, "abort") == finished(before, "abort") + 1
+    assert finished(after, "length") == finished(before, "length")  # it did not run to its end
 
 
 def test_non_stream_disconnect_aborts(live):
+    """The client goes away as soon as its request runs in the engine (no client timeout: an
+    event, not a guess at how long 900 tokens take)."""
     engine = live.engine
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{live.base_url}/completions", json=body, timeout=1.5)
-    deadline = time.time() + 20
-    while (engine.running or engine.waiting) and time.time() < deadline:
-        time.sleep(0.05)
-    assert not engine.running and engine.target.cache.used_tokens() == 0
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 900, "temperature": 0}
+    before = httpx.get(f"{live.url}/metrics").text
+
+    async def leave_once_running():
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.create_task(c.post(f"{live.base_url}/completions", json=body))
+            while engine.load().running == 0:
+                assert not task.done(), task.result().text
+                await asyncio.sleep(0.02)
+            task.cancel()  # closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave_once_running())
+    wait_until(lambda: idle(engine) and live.worker.in_flight == 0, what="the abort")
+    after = httpx.get(f"{live.url}/metrics").text
+    assert finished(after, "abort") == finished(before, "abort") + 1
+    assert finished(after, "length") == finished(before, "length")
 
 
 def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
@@ -311,7 +332,7 @@ def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
         assert "secret" not in str(exc.value) and "engine failed" in str(exc.value)
     finally:
         del engine.step  # back to the class method
-    assert engine.target.cache.used_tokens() == 0 and not engine.running
+    wait_until(lambda: idle(engine) and live.worker.in_flight == 0, what="the failed request's end")
     r = client.chat.completions.create(
         model=MODEL, max_tokens=5, temperature=0, messages=[{"role": "user", "content": "hi"}]
     )
@@ -320,11 +341,12 @@ def test_engine_failure_mid_stream_sends_error_event_and_server_recovers(live):
 
 class FullWorker:
     running = healthy = True
-    observers: list = []
+    warmed = SimpleNamespace(is_set=lambda: True)
 
-    def check_admission(self, count):
-        from engine.worker import QueueFullError
+    def __init__(self):
+        self.observers = []
 
+    def reserve(self, count):
         raise QueueFullError("the server is at capacity (request queue full); retry later")
 
     def stats(self):
@@ -335,4 +357,6 @@ class FullWorker:
 def test_queue_full_is_429_at_once(built, stream):
     with TestClient(make_app(built, FullWorker())) as c:
         r = c.post("/v1/chat/completions", json={**CHAT, "stream": stream})
-        assert assert_error(r, 429)["code"] == "queue_full"
+        err = assert_error(r, 429)
+        assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
+        assert int(r.headers["retry-after"]) >= 1

@@ -9,6 +9,7 @@ from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.real_model
 CHAT = [{"role": "user", "content": "List three primary colors, comma separated."}]
+FORCED_K = {"speculation": {"k": 4}}  # speculation runs whatever this machine's speed
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_completion_stream_concatenates_to_non_stream(client):
 
 
 def test_chat_stream_with_usage(client):
-    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=30)
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=30, extra_body=FORCED_K)
     full = client.chat.completions.create(**kw)
     chunks = list(
         client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
@@ -57,6 +58,24 @@ def test_chat_stream_with_usage(client):
     assert last.choices == [] and last.usage.completion_tokens == full.usage.completion_tokens
     spec = last.usage.model_extra["speculation"]
     assert spec["target_passes"] >= 1 and 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+    assert spec["drafted_tokens"] > 0  # speculation ran
+
+
+def test_n_choices_under_forced_speculation_equal_the_single_greedy_choice(client):
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, extra_body=FORCED_K)
+    one = client.chat.completions.create(**kw)
+    three = client.chat.completions.create(n=3, **kw)
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    # usage counts every choice (its prompt included)
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert three.usage.prompt_tokens == 3 * one.usage.prompt_tokens
+    assert three.usage.model_extra["speculation"]["drafted_tokens"] > 0
+    streamed = [""] * 3
+    for chunk in client.chat.completions.create(n=3, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [one.choices[0].message.content] * 3
 
 
 def test_seed_reproduces_and_differs(client):

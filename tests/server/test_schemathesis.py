@@ -32,7 +32,7 @@ from engine.model_runner import ModelRunner
 from engine.worker import EngineWorker
 from server import protocol as P
 from server.app import create_app
-from server.convert import Limits
+from server.convert import EngineCapacity
 from server.settings import ServerSettings
 from tests.server.conftest import MODEL
 
@@ -64,8 +64,8 @@ def tiny_app(real_fp32):
     engine = SpecEngine(runner, NgramDrafter("cpu"), eos_token_ids=[tok.eos_token_id])
     worker = EngineWorker(engine, max_queued=64)
     worker.start()
-    limits = Limits(runner.max_len, engine.vocab_size, "ngram", 8)
-    yield create_app(worker, tok, MODEL, limits, ServerSettings(max_choices=8))
+    capacity = EngineCapacity(runner.max_len, engine.vocab_size, "ngram", 8)
+    yield create_app(worker, tok, MODEL, capacity, ServerSettings(max_choices=8))
     worker.shutdown()
 
 

@@ -4,12 +4,14 @@ deadlines, constant-time API-key comparison."""
 import socket
 
 import httpx
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
-import server.app as app_module
+import server.middleware as middleware_module
+import server.routes as routes_module
 from server.settings import ServerSettings
-from tests.server.conftest import MODEL, make_app, serving
+from tests.server.conftest import MODEL, QUIET, make_app, serving
 from tests.server.test_errors import CHAT, assert_error
 
 pytestmark = pytest.mark.real_model
@@ -19,7 +21,7 @@ def test_internal_exception_leaks_nothing(built, live, monkeypatch):
     def explode(*a, **k):
         raise RuntimeError("/srv/secret/path.py line 7: password=hunter2")
 
-    monkeypatch.setattr(app_module, "chat_job", explode)
+    monkeypatch.setattr(routes_module, "chat_job", explode)
     with TestClient(make_app(built, live.worker), raise_server_exceptions=False) as c:
         r = c.post("/v1/chat/completions", json=CHAT)
         err = assert_error(r, 500)
@@ -75,17 +77,28 @@ def test_cors_only_for_configured_origins(built, live):
 
 def test_api_key_compare_is_constant_time(built, live, monkeypatch):
     calls = []
-    real = app_module.hmac.compare_digest
+    real = middleware_module.hmac.compare_digest
 
     def spy(a, b):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(middleware_module.hmac, "compare_digest", spy)
     with TestClient(make_app(built, live.worker, api_keys=["k1", "k2"])) as c:
         assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
         assert_error(c.get("/v1/models", headers={"Authorization": "Bearer k3"}), 401)
     assert len(calls) == 4  # every key compared, whichever matched
+
+
+def test_wrong_api_key_is_the_sdks_authentication_error(built, live):
+    with serving(make_app(built, live.worker, api_keys=["k1"])) as url:
+        for key in ("wrong", "k"):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.models.list()
+            assert e.value.code == "invalid_api_key" and "bad request" not in str(e.value).lower()
+        ok = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0)
+        assert [m.id for m in ok.models.list().data] == [MODEL]
 
 
 def read_all(sock: socket.socket) -> bytes:
@@ -100,7 +113,9 @@ def read_all(sock: socket.socket) -> bytes:
 @pytest.fixture(scope="module")
 def strict(built, live):
     """A live server with short header and body deadlines."""
-    settings = ServerSettings(header_timeout_s=0.5, body_timeout_s=0.5, max_header_bytes=4096)
+    settings = ServerSettings(
+        **QUIET, header_timeout_s=0.5, body_timeout_s=0.5, max_header_bytes=4096
+    )
     with serving(make_app(built, live.worker, body_timeout_s=0.5), settings) as url:
         yield url
 

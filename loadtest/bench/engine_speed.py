@@ -7,7 +7,7 @@ lookup, all measured in the same run, interleaved prompt by prompt so machine no
 configuration alike; plus speedup over our plain decoding, acceptance rate and mean tokens per
 target pass, and the adaptive controller's ratios to plain and to the best fixed K in hindsight.
 
-    python -m loadtest.bench_engine --per-category 2 --max-tokens 96 --drafters ngram
+    python -m loadtest.bench.engine_speed --per-category 2 --max-tokens 96 --drafters ngram
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
+from engine.timing import time_call
 from loadtest.datasets import encode, mixed
 
 DRAFTERS = {
@@ -53,7 +54,9 @@ class Tally:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.bench.engine_speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--dtype", default="bfloat16")
@@ -104,26 +107,35 @@ def main(argv=None):
     configs += [(f"{d} {c}", f"{d} {c}", None) for d in drafters for c in controllers]
     tallies: dict[str, dict[str, Tally]] = defaultdict(lambda: defaultdict(Tally))
 
+    device = base.model.device
+
     def run(kind, k, ids):
+        """(tokens, seconds, drafted, accepted, target passes) of one prompt (engine.timing)."""
+        out: list = []
         if kind in ("hf", "hf-pl"):
             kw = {"prompt_lookup_num_tokens": k} if kind == "hf-pl" else {}
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([ids]),
-                    max_new_tokens=args.max_tokens,
-                    do_sample=False,
-                    eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.eos_token_id,
-                    **kw,
-                )
-            return out.shape[1] - len(ids), time.perf_counter() - t0, 0, 0, 0
-        spec = SpecParams() if k is None else SpecParams(enabled=k > 0, k=k)  # None: controller
-        t0 = time.perf_counter()
-        s = engines[kind].generate([ids], params, spec)[0]
-        return len(s.output_ids), time.perf_counter() - t0, s.drafted, s.accepted, s.target_passes
 
-    for name, kind, k in configs:  # warm-up
+            def hf():
+                with torch.inference_mode():
+                    out.append(
+                        model.generate(
+                            torch.tensor([ids], device=model.device),
+                            max_new_tokens=args.max_tokens,
+                            do_sample=False,
+                            eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.eos_token_id,
+                            **kw,
+                        )
+                    )
+
+            seconds = time_call(hf, device)
+            return out[0].shape[1] - len(ids), seconds, 0, 0, 0
+        spec = SpecParams() if k is None else SpecParams(enabled=k > 0, k=k)  # None: controller
+        seconds = time_call(lambda: out.extend(engines[kind].generate([ids], params, spec)), device)
+        s = out[0]
+        return len(s.output_ids), seconds, s.drafted, s.accepted, s.target_passes
+
+    for _, kind, k in configs:  # warm-up
         run(kind, k, encoded[0][:64])
     t_start = time.perf_counter()
     for i, (p, ids) in enumerate(zip(prompts, encoded)):
@@ -139,8 +151,9 @@ def main(argv=None):
     groups = list(dict.fromkeys(p.category for p in prompts)) + ["ALL"]
     width = max(len(n) for n, _, _ in configs) + 2
     print(
-        f"\nspecd engine benchmark: batch 1, greedy, {args.dtype}, {torch.get_num_threads()} threads, "
-        f"max_tokens {args.max_tokens}, {len(prompts)} prompts ({args.per_category} per category)"
+        f"\nspecd engine benchmark: batch 1, greedy, {args.dtype}, "
+        f"{torch.get_num_threads()} threads, max_tokens {args.max_tokens}, {len(prompts)} prompts "
+        f"({args.per_category} per category)"
     )
     print("\noutput tok/s")
     print("config".ljust(width) + "".join(g[:10].rjust(11) for g in groups))
@@ -166,10 +179,11 @@ def main(argv=None):
                 ks, key=lambda k: tallies[f"{d} K={k}"]["ALL"].tps
             )  # in hindsight, whole set
             best = tallies[f"{d} K={best_k}"]
+            worst = min(ad[g].tps / plain[g].tps for g in groups)
             print(
                 f"ratios: {d} adaptive / specd plain = "
                 + ", ".join(f"{g}: {ad[g].tps / plain[g].tps:.2f}" for g in groups)
-                + f"  (target >= 0.97 everywhere; min {min(ad[g].tps / plain[g].tps for g in groups):.2f})"
+                + f"  (target >= 0.97 everywhere; min {worst:.2f})"
             )
             print(
                 f"ratios: {d} adaptive / best fixed K over the whole set (K={best_k}) = "

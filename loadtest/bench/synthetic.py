@@ -18,10 +18,10 @@ c, and their ratio. The gap is what the engine loses to a verify costing more th
 draft catch-up feeds, sampling and bookkeeping.
 
     # GPU: real-shape models with random weights (no download), CUDA graphs
-    python -m loadtest.bench_synthetic --random-config llama-8b --draft-config llama-1b \
+    python -m loadtest.bench.synthetic --random-config llama-8b --draft-config llama-1b \
         --device cuda --compile reduce-overhead
     # CPU: a SmolLM2-shaped random target, its first 4 layers as the draft
-    python -m loadtest.bench_synthetic --random-config smollm2-135m --draft-layers 4
+    python -m loadtest.bench.synthetic --random-config smollm2-135m --draft-layers 4
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
@@ -39,9 +38,11 @@ from engine.engine import SpecEngine
 from engine.fast_forward import CompileConfig, attach, warm_up
 from engine.k_control import FixedK
 from engine.model_runner import ModelRunner
+from engine.rejection import rejection_sample
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from loadtest.bench_steps import SHAPES, random_model, sync, time_forward
+from engine.timing import time_call
+from loadtest.bench.steps import SHAPES, random_model, time_forward
 
 
 def synthetic_accept(alpha: float, gen: torch.Generator):
@@ -67,7 +68,9 @@ def bound(alpha: float, k: int, c: float) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.bench.synthetic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--random-config", default="smollm2-135m", help=f"one of {sorted(SHAPES)}")
     ap.add_argument("--draft-config", default=None, help="draft model shape (random weights)")
@@ -135,8 +138,7 @@ def main(argv=None):
             r.forward([[1] * args.prompt_tokens], [s])
             r.cache.commit(s, args.prompt_tokens)
     t_ms, d_ms = (
-        statistics.median(time_forward(r, B, 1, 22)[2:]) * 1e3  # first 2: warm-up
-        for r in (target, draft_runner)
+        statistics.median(time_forward(r, B, 1, 20, warmup=2)) * 1e3 for r in (target, draft_runner)
     )
     for r in engine.runners():
         for s in range(B):
@@ -153,14 +155,9 @@ def main(argv=None):
 
     def run(spec: SpecParams, alpha: float | None) -> tuple[float, float]:
         """tok/s over the whole generate (prefill included: short prompts) and tokens per pass."""
-        from engine.rejection import rejection_sample
-
         engine.accept = synthetic_accept(alpha, gen) if alpha is not None else rejection_sample
-        sync(dev)
-        t = time.perf_counter()
-        seqs = engine.generate(prompts, params, spec)
-        sync(dev)
-        dt = time.perf_counter() - t
+        seqs = []
+        dt = time_call(lambda: seqs.extend(engine.generate(prompts, params, spec)), dev)
         tokens = sum(len(s.output_ids) for s in seqs)
         return tokens / dt, tokens / sum(s.target_passes for s in seqs)
 

@@ -2,7 +2,7 @@
 and a replayed round emits exactly the accepted tokens plus one."""
 
 from engine.k_control import FixedK, HeuristicK
-from loadtest.replay_k import replay, trace
+from loadtest.bench.replay_k import replay, trace
 
 
 def test_trace_counts_drafts_and_accepted_prefixes():

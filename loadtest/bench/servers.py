@@ -1,16 +1,17 @@
-"""specd against llama.cpp and ``transformers serve`` on this machine, in one run (issue 9).
+"""specd against llama.cpp and ``transformers serve`` on this machine, in one run.
 
 The same 24 requests for every server: 16 MT-Bench first turns (2 per category, chat endpoint)
 and 8 HumanEval prompts (completions endpoint), greedy, max_tokens 128, streamed, through
 ``python -m loadtest`` (the official openai client). Each server is started alone (the others
-are stopped: they would share the 2 cores), warmed with 2 requests, then measured one request at
+are stopped: they would share the cores), warmed with 2 requests, then measured one request at
 a time and 8 at a time. Reported per server and level: output tok/s, TTFT p50, p95 inter-token
-latency (per token, see loadtest/client.py), and the server's peak resident memory (the sum over
-its process tree, sampled every 0.2 s from start to stop, warm-up and compilation included).
+latency (per token, see loadtest/client.py), and the server's peak RSS (loadtest/server_proc.py:
+the sum over its process tree, sampled from start to stop, warm-up and compilation included).
+Every server listens on a port the kernel picks (``--port 0``), read back by server_proc.
 
-    python -m loadtest.bench_servers                          # all three, c = 1 and 8
-    python -m loadtest.bench_servers --rounds 2               # twice, order reversed: medians
-    python -m loadtest.bench_servers --servers specd --concurrency 1
+    python -m loadtest.bench.servers                          # all three, c = 1 and 8
+    python -m loadtest.bench.servers --rounds 2               # twice, order reversed: medians
+    python -m loadtest.bench.servers --servers specd --concurrency 1
 
 Servers:
 * ``specd``: ``specd serve --config configs/cpu-compiled.yaml`` (n-gram speculation with adaptive
@@ -26,12 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import threading
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,9 +37,10 @@ import httpx
 from engine.config import EngineConfig
 from engine.loader import prepare, resolve_source
 from loadtest import cli, workloads
-from loadtest.server_proc import stop_process
+from loadtest.modes import interleaved
+from loadtest.server_proc import HOST, spawn, specd_argv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LLAMACPP_VENV = ROOT / "loadtest" / "envs" / "llamacpp"
 
 
@@ -59,88 +57,19 @@ def mix_file(path: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and its descendants."""
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-            for t in Path(f"/proc/{p}/task").iterdir():
-                kids = (t / "children").read_text().split()
-                todo += [int(k) for k in kids]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return total / 1024
-
-
-class RssSampler(threading.Thread):
-    def __init__(self, pid: int, every: float = 0.2):
-        super().__init__(daemon=True)
-        self.pid, self.every, self.peak = pid, every, 0.0
-        self._stop_ev = threading.Event()
-
-    def run(self):
-        while not self._stop_ev.is_set():
-            self.peak = max(self.peak, tree_rss_mib(self.pid))
-            self._stop_ev.wait(self.every)
-
-    def stop(self) -> float:
-        self._stop_ev.set()
-        self.join()
-        return self.peak
-
-
-def server_command(name: str, port: int, args) -> tuple[list[str], str, dict]:
-    """(argv, readiness URL path, extra env) of one server."""
+def server_command(name: str, args) -> tuple[list[str], str, dict]:
+    """(argv listening on port 0 of HOST, readiness URL path, extra env) of one server."""
     cfg = EngineConfig.from_yaml(args.config)
+    listen = ["--host", HOST, "--port", "0"]
     if name == "specd":
-        return (
-            [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                "--config",
-                args.config,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            "/ready",
-            {},
-        )
+        return specd_argv(args.config), "/ready", {}
     if name == "llamacpp":
         gguf = resolve_source(cfg.model.source).location
+        python = str(Path(args.llamacpp_venv) / "bin" / "python")
+        threads = ["--n_threads", "2", "--n_threads_batch", "2"]
+        argv = [python, "-m", "llama_cpp.server", "--model", gguf, *threads]
         return (
-            [
-                str(Path(args.llamacpp_venv) / "bin" / "python"),
-                "-m",
-                "llama_cpp.server",
-                "--model",
-                gguf,
-                "--n_threads",
-                "2",
-                "--n_threads_batch",
-                "2",
-                "--interrupt_requests",
-                "False",
-                "--n_ctx",
-                "2048",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
+            argv + ["--interrupt_requests", "False", "--n_ctx", "2048", *listen],
             "/v1/models",
             {},
         )
@@ -148,59 +77,26 @@ def server_command(name: str, port: int, args) -> tuple[list[str], str, dict]:
         folder = prepare(cfg.model.source, cfg.cache_dir, progress=False)
         cache = Path(args.out) / "hf_hub_cache"  # it lists this (empty) Hub cache on /v1/models
         cache.mkdir(parents=True, exist_ok=True)
-        return (
-            [
-                str(Path(sys.executable).parent / "transformers"),
-                "serve",
-                folder,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                "bfloat16",
-            ],
-            "/health",
-            {"HF_HUB_CACHE": str(cache.resolve())},
-        )
+        argv = [str(Path(sys.executable).parent / "transformers"), "serve", folder, *listen]
+        return argv + ["--dtype", "bfloat16"], "/health", {"HF_HUB_CACHE": str(cache.resolve())}
     raise ValueError(f"unknown server {name!r} (specd, llamacpp, hf)")
 
 
 @contextmanager
 def started(name: str, args):
-    port = free_port()
-    argv, ready_path, env = server_command(name, port, args)
-    log = open(Path(args.out) / f"{name}.log", "w")
-    proc = subprocess.Popen(
+    """The server ``name`` in a child process (its output in OUT/NAME.log), ready."""
+    argv, ready_path, env = server_command(name, args)
+    with spawn(
         argv,
+        ready_path=ready_path,
+        name=name,
+        env={"HF_HUB_OFFLINE": "1", **env},
         cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", **env),
-    )
-    sampler = RssSampler(proc.pid)
-    sampler.start()
-    t0 = time.monotonic()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(base + ready_path, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > args.start_timeout:
-                raise RuntimeError(f"{name} did not become ready; see {log.name}")
-            time.sleep(0.5)
-        ready_s = time.monotonic() - t0
-        print(f"{name}: ready in {ready_s:.0f} s", flush=True)
-        yield base + "/v1", sampler, ready_s
-    finally:
-        stop_process(proc)
-        sampler.stop()
-        log.close()
+        log=Path(args.out) / f"{name}.log",
+        timeout=args.start_timeout,
+    ) as server:
+        print(f"{name}: ready in {server.ready_s:.0f} s", flush=True)
+        yield server
 
 
 def model_id(base: str, name: str, args) -> str:
@@ -212,7 +108,9 @@ def model_id(base: str, name: str, args) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.bench.servers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--servers", default="specd,llamacpp,hf")
     ap.add_argument("--concurrency", default="1,8")
@@ -236,13 +134,9 @@ def main(argv=None):
     data = mix_file(out / "mix.jsonl")
     rows = []
     names = args.servers.split(",")
-    order = [
-        (rnd, name)
-        for rnd in range(args.rounds)
-        for name in (names if rnd % 2 == 0 else names[::-1])
-    ]
-    for rnd, name in order:
-        with started(name, args) as (base, sampler, ready_s):
+    for rnd, name in interleaved(names, args.rounds):
+        with started(name, args) as server:
+            base, ready_s = server.base_url, server.ready_s
             model = model_id(base, name, args)
             largs = cli.parse_args(
                 [
@@ -262,7 +156,7 @@ def main(argv=None):
                 + (["--requests", str(args.requests)] if args.requests else [])
             )
             res = cli.run(largs)
-            peak = sampler.peak
+            peak = server.rss.peak
         for r in res["runs"]:
             s = r["summary"]
             rows.append(

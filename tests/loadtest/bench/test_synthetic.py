@@ -1,14 +1,14 @@
-"""The benchmark-only synthetic acceptance rule (loadtest/bench_synthetic.py): it accepts each
+"""The benchmark-only synthetic acceptance rule (loadtest/bench/synthetic.py): it accepts each
 drafted token with probability α, and an engine that uses it is refused by the worker."""
-
-import types
 
 import pytest
 import torch
 
+from engine.engine import SpecEngine
+from engine.model_runner import ModelRunner
 from engine.rejection import rejection_sample
 from engine.worker import EngineWorker
-from loadtest.bench_synthetic import bound, synthetic_accept
+from loadtest.bench.synthetic import bound, synthetic_accept
 
 
 def test_accepts_leading_drafts_at_rate_alpha():
@@ -32,8 +32,11 @@ def test_bound():
     assert bound(0.6, 2, 0.5) == pytest.approx((1 + 0.6 + 0.36) / 2)
 
 
-def test_worker_refuses_an_engine_with_synthetic_acceptance():
-    fake = types.SimpleNamespace(accept=synthetic_accept(0.9, torch.Generator()))
+def test_worker_refuses_an_engine_with_synthetic_acceptance(tiny_llama):
+    engine = SpecEngine(ModelRunner(tiny_llama, 1, 64), None, eos_token_ids=[])
+    EngineWorker(engine)  # the exact rule is served
+    engine.accept = synthetic_accept(0.9, torch.Generator())  # what the benchmark does
     with pytest.raises(ValueError, match="refusing to serve"):
-        EngineWorker(fake)
-    EngineWorker(types.SimpleNamespace(accept=rejection_sample))  # the exact rule is served
+        EngineWorker(engine)
+    engine.accept = rejection_sample
+    EngineWorker(engine)

@@ -4,9 +4,9 @@
 Both paths run on the same runner and cache in one process, interleaved (eager, compiled, eager,
 ...) so machine noise hits both alike; the table prints medians and the compiled / eager ratio.
 
-    python -m loadtest.bench_steps                        # CPU default: SmolLM2-135M bf16, draft
+    python -m loadtest.bench.steps                        # CPU default: SmolLM2-135M bf16, draft
                                                           # = its first 8 layers
-    python -m loadtest.bench_steps --random-config llama-8b --draft-config llama-1b --device cuda \
+    python -m loadtest.bench.steps --random-config llama-8b --draft-config llama-1b --device cuda \
         --dtype bfloat16 --mode reduce-overhead           # real-shape random-weight models (GPU)
 """
 
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
@@ -24,6 +23,7 @@ from engine.config import EngineConfig
 from engine.fast_forward import CompileConfig, FastForward
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.timing import time_call, time_calls
 
 # real model shapes, random weights (no download): for GPU figures
 SHAPES = {
@@ -63,28 +63,27 @@ def random_model(name: str, dtype: torch.dtype, device: str):
     return model
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_forward(runner: ModelRunner, batch: int, q: int, reps: int) -> list[float]:
-    dev = runner.device
-    ids = torch.randint(0, runner.vocab_size, (batch, q), device=dev)
+def time_forward(
+    runner: ModelRunner, batch: int, q: int, reps: int, warmup: int = 0
+) -> list[float]:
+    """Seconds of each of ``reps`` forwards of ``q`` random tokens in each of rows 0..batch-1
+    (engine.timing: the device synchronised before and after each), after ``warmup`` untimed."""
+    ids = torch.randint(0, runner.vocab_size, (batch, q), device=runner.device)
     slots = list(range(batch))
-    out = []
-    for _ in range(reps):
-        sync(dev)
-        t = time.perf_counter()
-        runner.forward(ids, slots, counts=[q] * batch, logits="all" if q > 1 else "last")
-        sync(dev)
-        out.append(time.perf_counter() - t)
-    return out
+    logits = "all" if q > 1 else "last"
+    return time_calls(
+        lambda: runner.forward(ids, slots, counts=[q] * batch, logits=logits),
+        runner.device,
+        reps,
+        warmup,
+    )
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.bench.steps",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--dtype", default="bfloat16")
@@ -146,18 +145,16 @@ def main(argv=None):
         for s in range(slots):
             runner.cache.commit(s, args.context)
         fast = FastForward(runner, ccfg, args.k)
-        t = time.perf_counter()
-        rep = fast.warm_up()
-        compile_s = time.perf_counter() - t
-        print(f"{name}: compiled {len(rep.shapes)} shapes in {compile_s:.1f} s", flush=True)
+        compile_s = time_call(fast.warm_up, dev)
+        shapes = len(fast.batch_buckets) * len(fast.q_buckets)
+        print(f"{name}: compiled {shapes} shapes in {compile_s:.1f} s", flush=True)
         for b in batches:
             for q in (1, args.k + 1):
                 times = {"eager": [], "compiled": []}
                 for _ in range(args.rounds):
                     for mode in ("eager", "compiled"):
                         runner.fast = fast if mode == "compiled" else None
-                        time_forward(runner, b, q, 2)  # settle
-                        times[mode] += time_forward(runner, b, q, args.reps)
+                        times[mode] += time_forward(runner, b, q, args.reps, warmup=2)
                 runner.fast = None
                 e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
                 rows.append(

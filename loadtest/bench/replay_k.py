@@ -8,17 +8,17 @@ without running the model, and a round's time taken from a table of this machine
 verify times T(w) (target forward of w + 1 tokens after the prompt, batch 1). The controllers see
 exactly what they would see in the engine (their ``k_for`` / ``observe`` / ``end_round`` calls
 with measured-like times), so the replay ranks policies with none of the run-to-run noise of
-timing whole generations. It does not replace the end-to-end benchmark (bench_engine.py): it
+timing whole generations. It does not replace the end-to-end benchmark (engine_speed): it
 guides it.
 
-    python -m loadtest.replay_k --per-category 3 --max-tokens 96
+    python -m loadtest.bench.replay_k --per-category 3 --max-tokens 96
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
-import math
 import os
 import time
 from collections import defaultdict
@@ -30,31 +30,34 @@ import numpy as np
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.ngram import ngram_lookup
-from engine.k_control import AdaptiveK, FixedK, HeuristicK, KState, RoundCost
+from engine.k_control import AdaptiveK, FixedK, HeuristicK
+from engine.k_state import KState
 from engine.loader import load_model
+from engine.round_cost import RoundCost
 from engine.sampling import SamplingParams
 from engine.sequence import RoundStats, SpecParams
+from engine.timing import time_call
 from loadtest.datasets import encode, mixed
 
 LOOKUP_S = 2e-4  # one n-gram lookup
 
 
 def measure_verify(runner, widths, prefix: int, repeats: int = 5) -> dict[int, float]:
-    """T(w): the target's forward of w + 1 query tokens after a ``prefix``-token context."""
+    """T(w): the best of ``repeats`` + 1 timed target forwards (engine.timing) of w + 1 query
+    tokens after a ``prefix``-token context, in seconds."""
     slot = 0
     runner.cache.allocate(slot)
     try:
         runner.forward([[1] * prefix], [slot])
         runner.cache.commit(slot, prefix)
-        out = {}
-        for w in widths:
-            best = math.inf
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                runner.forward([[1] * (w + 1)], [slot], logits="all")
-                best = min(best, time.perf_counter() - t0)
-            out[w] = best
-        return out
+        return {
+            w: time_call(
+                lambda w=w: runner.forward([[1] * (w + 1)], [slot], logits="all"),
+                runner.device,
+                repeats=repeats + 1,
+            )
+            for w in widths
+        }
     finally:
         runner.cache.free(slot)
 
@@ -100,7 +103,9 @@ def replay(ctrl, tr: list[tuple[int, int]], cost_table: dict[int, float], k_max:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m loadtest.bench.replay_k",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--dtype", default="bfloat16")
@@ -175,35 +180,29 @@ def main(argv=None):
                 x[1] += seconds
                 x[2] += rounds
     groups = list(dict.fromkeys(p.category for p in prompts)) + ["ALL"]
+
+    def tps(name: str, g: str) -> float:
+        return totals[name][g][0] / totals[name][g][1]
+
+    def per_pass(name: str, g: str) -> float:
+        return totals[name][g][0] / totals[name][g][2]
+
     print("\nreplayed tok/s (tokens per pass)")
     print("policy".ljust(12) + "".join(g[:10].rjust(13) for g in groups))
     for name in policies:
         print(
             name.ljust(12)
-            + "".join(
-                f"{totals[name][g][0] / totals[name][g][1]:7.1f} ({totals[name][g][0] / totals[name][g][2]:.2f})".rjust(
-                    13
-                )
-                for g in groups
-            )
+            + "".join(f"{tps(name, g):7.1f} ({per_pass(name, g):.2f})".rjust(13) for g in groups)
         )
-    best = max(
-        (n for n in policies if n.startswith("K=")),
-        key=lambda n: totals[n]["ALL"][0] / totals[n]["ALL"][1],
-    )
+    best = max((n for n in policies if n.startswith("K=")), key=lambda n: tps(n, "ALL"))
     for name in ("heuristic", "adaptive", "adaptive-geo"):
         print(
             f"{name} / best fixed ({best}): "
-            + ", ".join(
-                f"{g}: {(totals[name][g][0] / totals[name][g][1]) / (totals[best][g][0] / totals[best][g][1]):.3f}"
-                for g in groups
-            )
+            + ", ".join(f"{g}: {tps(name, g) / tps(best, g):.3f}" for g in groups)
         )
 
 
 def _copy(cost: RoundCost) -> RoundCost:
-    import copy
-
     return copy.deepcopy(cost)
 
 

@@ -1,0 +1,66 @@
+"""Start-up calibration of the round-cost model: timed forwards on free KV slots.
+
+Contract: :func:`calibrate` uses only the ``free_slots`` it is given (at most four), allocates
+them in the target's (and the draft model's) cache, and frees them again whatever happens, so
+every slot that was free before is free after. Every timed forward goes through
+``engine.timing.time_call``, which synchronises the device around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from . import timing
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
+    from .round_cost import CostModel
+
+
+def calibrate(
+    cost: CostModel,
+    target: ModelRunner,
+    draft: ModelRunner | None = None,
+    free_slots: Sequence[int] = (),
+    prefix: int = 32,
+    widths: Sequence[int] = (0, 2, 6),
+    repeats: int = 2,
+) -> None:
+    """Time the target's forward at a few (B, w) (B = 1 and up to 4 free slots; w + 1 query
+    tokens after a ``prefix``-token context) and the draft model's one-token step, and add them
+    to ``cost`` as fixed pseudo-observations (best of ``repeats`` after one warm-up forward)."""
+    slots = list(free_slots)[:4]
+    runners = [target] + ([draft] if draft is not None else [])
+    room = min(r.max_len for r in runners)
+    widths = [w for w in widths if w + 2 <= room]
+    prefix = max(1, min(prefix, room - max(widths) - 1))
+    if not slots:
+        return
+    for r in runners:
+        for s in slots:
+            r.cache.allocate(s)
+    try:
+        for r in runners:
+            for s in slots:
+                r.forward([[1] * prefix], [s])  # context to attend to
+                r.cache.commit(s, prefix)
+
+        def timed(runner: ModelRunner, batch: int, q: int) -> float:
+            rows, row_slots = [[1] * q for _ in range(batch)], slots[:batch]
+            return timing.time_call(
+                lambda: runner.forward(rows, row_slots, logits="all"),
+                runner.device,
+                repeats=repeats,
+                warmup=1,
+            )
+
+        for b in sorted({1, len(slots)}):
+            for w in widths:
+                cost.add_calibration(b, w, timed(target, b, w + 1))
+            if draft is not None:
+                cost.add_step_calibration(b, timed(draft, b, 1))
+    finally:
+        for r in runners:
+            for s in slots:
+                r.cache.free(s)

@@ -1,0 +1,80 @@
+"""Drafter fault isolation: the engine's only way to call a drafter.
+
+Invariant: a drafter fault never costs a token. Any exception in ``add``, ``propose``, ``commit``
+or ``remove``, or a malformed proposal, makes that round a plain round (K = 0) for the rows the
+call was for, and those rows decode plainly (no drafting) for the rest of their life: the target
+alone decides every token of a K = 0 round, so their output is still exactly the target's. Each
+fault adds one to :attr:`GuardedDrafter.failures` (a metric reads it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..plan import RoundPlan
+from ..sequence import Sequence, SpecParams
+from .base import Drafter, Proposal
+
+log = logging.getLogger("specd.engine")
+T = TypeVar("T")
+
+
+class GuardedDrafter:
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.failures = 0  # faults so far (each fell back to K = 0 for its rows)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self._guard("add", seqs, lambda: self.inner.add(seqs))
+
+    def remove(self, seq: Sequence) -> None:
+        self._guard("remove", [seq], lambda: self.inner.remove(seq))
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        self._guard("commit", seqs, lambda: self.inner.commit(seqs))
+
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal | None:
+        """The drafter's proposal for ``seqs`` (all rows of the round), or None: a plain round."""
+        drafting = [s for s, k in zip(seqs, plan.ks) if k]
+        prop = self._guard("propose", drafting, lambda: self.inner.propose(seqs, plan))
+        if prop is not None and not well_formed(prop, plan.ks):
+            self.fault("propose", drafting, ValueError("malformed proposal"))
+            return None
+        return prop
+
+    def _guard(self, where: str, rows: list[Sequence], call: Callable[[], T]) -> T | None:
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 -- any drafter failure falls back to plain decoding
+            self.fault(where, rows, e)
+            return None
+
+    def fault(self, where: str, rows: list[Sequence], err: Exception) -> None:
+        """Count the fault; ``rows`` decode plainly from now on."""
+        self.failures += 1
+        log.error(
+            "drafter %s failed in %s (%s: %s); %d request(s) fall back to plain decoding",
+            self.inner.name,
+            where,
+            type(err).__name__,
+            err,
+            len(rows),
+        )
+        for s in rows:
+            s.spec = SpecParams(enabled=False, k=0, k_max=0)
+
+
+def well_formed(prop: Proposal, ks: list[int]) -> bool:
+    """Host-side shape checks of a proposal (no device sync)."""
+    b, t = len(ks), prop.tokens
+    return (
+        t.dim() == 2
+        and t.shape[0] == b
+        and len(prop.num) == b
+        and all(0 <= n <= k for n, k in zip(prop.num, ks))
+        and t.shape[1] >= max(prop.num + [0])
+        and t.shape[1] <= max(ks + [0])
+        and (prop.probs is None or tuple(prop.probs.shape[:2]) == tuple(t.shape))
+    )

@@ -1,0 +1,138 @@
+"""One Llama-family decoder layer as a function of its weights, over the slot KV cache.
+
+:func:`decoder_layer` takes the layer's weights (:class:`~engine.layer_weights.LayerWeights`) and
+its geometry (:class:`LayerShape`) as arguments, so one compiled graph serves every layer; the
+eager path (:class:`~engine.model_runner.ModelRunner`) and the compiled path
+(:mod:`engine.fast_forward`) run this same function. Queries attend by position
+(``kv_pos <= query_pos``, the mask built by the caller), so rows of one batch may be ragged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from .layer_weights import LayerWeights
+from .quant import q4_linear
+
+if TYPE_CHECKING:
+    from .layer_weights import Weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama RMSNorm, as a function (in float32, scaled in the input dtype)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    act: str  # "silu" | "gelu_pytorch_tanh" | ...
+
+
+def config_shape(cfg, norm) -> tuple[LayerShape, int | None]:
+    """The layer geometry of a transformers config, and its maximum positions (None: no limit).
+
+    The one place that reads fields optional in HF configs; their defaults:
+    ``num_key_value_heads`` -> ``num_attention_heads`` (no GQA); ``head_dim`` ->
+    ``hidden_size // num_attention_heads``; ``hidden_act`` -> ``"silu"``;
+    ``max_position_embeddings`` -> None. The RMSNorm epsilon is read from the norm module
+    ``norm`` (``variance_epsilon``, else ``eps``), default 1e-6."""
+    heads = cfg.num_attention_heads
+    shape = LayerShape(
+        heads,
+        getattr(cfg, "num_key_value_heads", None) or heads,
+        getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
+        getattr(cfg, "hidden_act", "silu"),
+    )
+    return shape, getattr(cfg, "max_position_embeddings", None)
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the 4-bit matmul for a GGUF Q4_1 weight kept as stored (engine/quant.py)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    y = q4_linear(x, w.packed, w.scale_zero)
+    return y if b is None else y + b
+
+
+def _qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K and V of ``x`` ``[batch, q, hidden]``: ``[batch, q, heads or kv_heads * head_dim]``."""
+    if w.qkv is not None:  # one fused 4-bit matrix (engine/quant.py)
+        qs, ks, vs = linear(x, w.qkv).split(w.qkv.split, dim=-1)
+        return qs, ks, vs
+    assert w.q is not None and w.k is not None and w.v is not None
+    return linear(x, w.q, w.q_bias), linear(x, w.k, w.k_bias), linear(x, w.v, w.v_bias)
+
+
+def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up projections of ``x`` ``[batch, q, hidden]``: ``[batch, q, intermediate]``."""
+    if w.gate_up is not None:  # one fused 4-bit matrix
+        g, u = linear(x, w.gate_up).split(w.gate_up.split, dim=-1)
+        return g, u
+    assert w.gate is not None and w.up is not None
+    return linear(x, w.gate), linear(x, w.up)
+
+
+def decoder_layer(
+    h: torch.Tensor,
+    w: LayerWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    slot_t: torch.Tensor,
+    write_pos: torch.Tensor,
+    first_slot: int | None,
+    shape: LayerShape,
+) -> torch.Tensor:
+    """One Llama-family decoder layer over the slot cache, weights passed in, so one compiled
+    graph serves every layer. h ``[batch, q, hidden]``; cos/sin ``[batch, 1, q, head_dim]``; mask
+    ``[batch, 1, q, kv_len]``; kc/vc this layer's cache ``[slots, kv_heads, max_len+1, head_dim]``
+    (written in place at ``write_pos`` ``[batch, q]`` of rows ``slot_t`` ``[batch]``). Keys are
+    read as a view of slots ``first_slot ..`` when the rows are consecutive slots from there,
+    else gathered by ``slot_t``. Returns h ``[batch, q, hidden]``."""
+    B, q, _ = h.shape
+    nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
+    kv_len = mask.shape[-1]
+    x = rms_norm(h, w.input_norm, shape.eps)
+    qs, ks, vs = _qkv(x, w)
+    qs = qs.reshape(B, q, nh, hd)
+    ks = ks.reshape(B, q, kvh, hd)
+    vs = vs.reshape(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
+    if w.q_norm is not None and w.k_norm is not None:  # qwen3
+        qs, ks = rms_norm(qs, w.q_norm, shape.eps), rms_norm(ks, w.k_norm, shape.eps)
+    qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [batch, heads, q, head_dim]
+    qs = qs * cos + _rotate_half(qs) * sin
+    ks = ks * cos + _rotate_half(ks) * sin
+    kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
+    vc[slot_t[:, None], :, write_pos] = vs
+    if first_slot is not None:  # views: [batch, kv_heads, kv_len, head_dim]
+        keys = kc[first_slot : first_slot + B, :, :kv_len]
+        vals = vc[first_slot : first_slot + B, :, :kv_len]
+    else:
+        keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
+    o = F.scaled_dot_product_attention(
+        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
+    )  # [batch, heads, q, head_dim]
+    h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), w.o)
+    x = rms_norm(h, w.post_norm, shape.eps)
+    g, u = _gate_up(x, w)
+    g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)
+    return h + linear(g * u, w.down)

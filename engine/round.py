@@ -1,0 +1,144 @@
+"""One speculative round for every running sequence at once, top to bottom:
+
+  1. plan     -- each row's K (capped by its remaining tokens and the context), sampling params
+                 and random draws (plan.py): host decisions only.
+  2. propose  -- the drafter proposes up to K_i tokens per row (ragged rows, padded to the widest).
+  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row.
+  4. accept   -- the exact rejection rule (rejection.py defines accepted, recovered and bonus
+                 tokens, and K); the round's one device->host sync reads its result (output.py).
+  5. commit   -- append the emitted tokens (cut at stop conditions), commit the target cache to
+                 ``len(tokens) - 1`` and roll the drafter's state back to what was kept.
+
+K_i comes from the controller (k_control.py): ``k_for`` in the plan, ``observe`` in the commit
+loop, ``end_round`` with the round's measured times. Drafter faults make a plain round for their
+rows (drafters/guard.py). The first token of a sequence is sampled from its prefill's logits by
+:meth:`Speculator.first_tokens`, the same rule with K = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .drafters.guard import GuardedDrafter
+from .k_control import KController
+from .model_runner import ModelRunner
+from .output import StepOutput, make_output, to_host
+from .plan import RoundPlan, make_plan, to_device
+from .rejection import rejection_sample
+from .sampling import logits_to_probs
+from .scheduler import Scheduler
+from .sequence import RoundStats, Sequence, Status
+
+AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # rejection_sample's signature
+
+
+class Speculator:
+    """Runs rounds over a target, a (guarded) drafter and a K controller."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: GuardedDrafter | None,
+        controller: KController,
+        scheduler: Scheduler,
+        k_max: int,
+        rng: torch.Generator,
+    ):
+        self.target, self.drafter, self.controller = target, drafter, controller
+        self.scheduler, self.k_max, self.rng = scheduler, k_max, rng
+        self.device, self.vocab_size = target.device, target.vocab_size
+        # the acceptance rule; only a benchmark swaps it (synthetic acceptance, not lossless)
+        self.accept: AcceptRule = rejection_sample
+
+    def round(self, seqs: list[Sequence]) -> list[StepOutput]:
+        t_start = time.perf_counter()
+        # 1. plan
+        plan = self._plan(seqs, [self.controller.k_for(s, self.k_cap(s)) for s in seqs])
+        # 2. propose
+        t0 = time.perf_counter()
+        prop = self.drafter.propose(seqs, plan) if self.drafter and any(plan.ks) else None
+        if prop is not None:
+            drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs  # [batch, K]
+        else:
+            drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+            num_draft, draft_probs = [0] * len(seqs), None
+        kmax = drafts.shape[1]
+        t1 = time.perf_counter()
+        # 3. verify: one target pass over [last token, d_1..d_K] per row
+        verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
+        counts = [n + 1 for n in num_draft]
+        logits = self.target.forward(verify_ids, [s.slot for s in seqs], counts, logits="all")
+        probs = self._probs(logits, plan)  # [batch, K+1, vocab]
+        tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
+        # 4. accept, and the round's one device->host sync
+        num_t = to_device(num_draft, torch.long, self.device)
+        uniforms = plan.uniforms[:, :kmax]
+        num_acc, next_tok = self.accept(
+            probs, drafts, num_t, draft_probs, plan.greedy, uniforms, plan.noise
+        )
+        rows = to_host(probs, drafts, num_acc, next_tok, self._top_n(seqs))
+        t2 = time.perf_counter()
+        # 5. commit / rollback
+        outputs = []
+        for s, k, nd, row in zip(seqs, plan.ks, num_draft, rows):
+            a = row.accepted
+            s.drafted, s.accepted, s.target_passes = (
+                s.drafted + nd,
+                s.accepted + a,
+                s.target_passes + 1,
+            )
+            emitted = self.scheduler.postprocess(s, row.drafts[:a] + [row.next_token])
+            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, tv - t1, kmax, t2 - tv)
+            next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
+            self.controller.observe(s, k, stats, next_cap)
+            outputs.append(make_output(s, emitted, stats, row))
+        if self.drafter is not None:
+            live = [s for s in seqs if s.status is Status.RUNNING and s.spec.enabled]
+            self.drafter.commit(live)
+        t3 = time.perf_counter()
+        steps = self.drafter.inner.steps(kmax) if self.drafter is not None and kmax else 0
+        self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - (t1 - t0), t1 - t0)
+        return outputs
+
+    def first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        """Sample each new sequence's first token from its prefill's last logits [new, vocab]."""
+        if self.drafter is not None:
+            self.drafter.add(seqs)
+        plan = self._plan(seqs, [0] * len(seqs))
+        probs = self._probs(logits[:, None], plan)  # [new, 1, vocab]
+        empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+        num_acc, next_tok = rejection_sample(
+            probs, empty, plan.num_zero, None, plan.greedy, plan.uniforms, plan.noise
+        )
+        rows = to_host(probs, empty, num_acc, next_tok, self._top_n(seqs))  # the one sync
+        outputs = []
+        for s, row in zip(seqs, rows):
+            s.target_passes += 1
+            emitted = self.scheduler.postprocess(s, [row.next_token])
+            outputs.append(make_output(s, emitted, None, row))
+        return outputs
+
+    def k_cap(self, s: Sequence) -> int:
+        """The most a row may draft: its k_max, and never past max_tokens (a round emits at most
+        K + 1) or the context."""
+        if self.drafter is None or not s.spec.enabled:
+            return 0
+        k_max = min(s.spec.k_max, self.k_max) if s.spec.k_max is not None else self.k_max
+        return max(0, min(k_max, s.remaining - 1, self.target.max_len - s.num_tokens))
+
+    def _plan(self, seqs: list[Sequence], ks: list[int]) -> RoundPlan:
+        sample_drafts = any(ks) and self.drafter is not None and self.drafter.inner.samples
+        return make_plan(seqs, ks, self.vocab_size, self.device, self.rng, sample_drafts)
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, plan: RoundPlan) -> torch.Tensor:
+        return logits_to_probs(logits, plan.temperature, plan.top_k, plan.top_p, plan.filter_rows)
+
+    @staticmethod
+    def _top_n(seqs: list[Sequence]) -> int | None:
+        """The most top alternatives a row asked for (0 = the chosen token's only), or None."""
+        want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        return max(want) if want else None

@@ -1,0 +1,128 @@
+"""OpenAI response objects from a job's events, shared by the generation routes: the envelope
+of a response or a stream chunk, usage, logprobs, and the event stream itself.
+
+A streamed response answers server-sent events: the route's chunks, then ``[DONE]``; an
+exception after the 200 becomes one error event (server/errors.py's mapping), then ``[DONE]``.
+The request's reservation (its admission) is released when the response ends, however it ends:
+completed, failed, disconnected, or dropped by the transport for a reader that stalled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+
+from pydantic import BaseModel
+from sse_starlette.sse import EventSourceResponse
+
+from engine.worker import EngineError, Reservation
+
+from . import protocol as P
+from .errors import error_event, from_exception
+from .generation import ChoiceEvent, JobRun
+
+log = logging.getLogger("specd.server")
+
+PING_S = 15  # keep-alive comment lines on a quiet stream
+
+
+def usage(run: JobRun) -> P.Usage:
+    t = run.tally
+    return P.Usage(
+        prompt_tokens=t.prompt_tokens,
+        completion_tokens=t.completion_tokens,
+        total_tokens=t.prompt_tokens + t.completion_tokens,
+        speculation=P.SpeculationUsage(
+            drafted_tokens=t.drafted, accepted_tokens=t.accepted, target_passes=t.passes
+        ),
+    )
+
+
+def envelope(cls: type[BaseModel], run: JobRun, model: str, created: int):
+    """``cls(id, created, model, choices, usage)`` for this run: a response or a stream chunk."""
+
+    def build(choices: list, usage: P.Usage | None = None):
+        return cls(id=run.request_id, created=created, model=model, choices=choices, usage=usage)
+
+    return build
+
+
+def completion_logprobs(evs: list[ChoiceEvent], offset: int) -> P.CompletionLogprobs:
+    lp = P.CompletionLogprobs()
+    for ev in evs:
+        for t in ev.logprobs or []:
+            lp.tokens.append(t.token)
+            lp.token_logprobs.append(t.logprob)
+            lp.top_logprobs.append(dict(t.top))
+            lp.text_offset.append(offset)
+            offset += len(t.token)
+    return lp
+
+
+def chat_logprobs(evs: list[ChoiceEvent]) -> P.ChoiceLogprobs:
+    content = [
+        P.TokenLogprob(
+            token=t.token,
+            logprob=t.logprob,
+            bytes=list(t.token.encode()),
+            top_logprobs=[
+                P.TopLogprob(token=s, logprob=v, bytes=list(s.encode())) for s, v in t.top
+            ],
+        )
+        for ev in evs
+        for t in ev.logprobs or []
+    ]
+    return P.ChoiceLogprobs(content=content)
+
+
+def stream_chunks(
+    run: JobRun,
+    build: Callable,
+    head: list,
+    choice: Callable[[ChoiceEvent], BaseModel],
+    with_usage: bool,
+) -> AsyncGenerator[dict, None]:
+    """The chunks of a streamed response: one per ``head`` choice (role deltas, echoed
+    prompts), one per event, then usage when asked for."""
+
+    async def chunks():
+        def data(choices: list, usage: P.Usage | None = None) -> dict:
+            return {"data": build(choices, usage).model_dump_json()}
+
+        for c in head:
+            yield data([c])
+        async with aclosing(run.events()) as events:
+            async for ev in events:
+                yield data([choice(ev)])
+        if with_usage:
+            yield data([], usage(run))
+
+    return chunks()
+
+
+async def _events(body: AsyncGenerator[dict, None]) -> AsyncGenerator[dict, None]:
+    try:
+        async with aclosing(body) as items:
+            async for item in items:
+                yield item
+    except Exception as e:  # answered as an error event; internal ones logged
+        err = from_exception(e)
+        if err.status == 500 and not isinstance(e, EngineError):
+            log.error("unhandled error mid-stream", exc_info=e)
+        yield error_event(err)
+    yield {"data": "[DONE]"}
+
+
+class EventStream(EventSourceResponse):
+    """A streamed response over ``body``'s events, holding ``reservation`` until it ends."""
+
+    def __init__(self, body: AsyncGenerator[dict, None], reservation: Reservation):
+        super().__init__(_events(body), ping=PING_S, sep="\n")
+        self.reservation = reservation
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.reservation.release()

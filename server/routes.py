@@ -1,0 +1,173 @@
+"""The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+Each request, in order: the model name is checked, the request is converted (server/convert.py,
+400s), then admitted: :meth:`~engine.worker.EngineWorker.reserve` takes room for all its choices
+at once, before any byte of the response, or refuses (429 with Retry-After when the queue is
+full, 503 when the engine is not ready). A streamed answer holds that room until the stream ends
+(server/responses.py); a plain one until its JSON is built. A client that disconnects aborts its
+choices in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from engine.worker import EngineWorker
+
+from . import protocol as P
+from .convert import EngineCapacity, Job, chat_job, check_model, completion_job
+from .errors import APIError
+from .generation import ChoiceEvent, JobRun
+from .metrics import Metrics
+from .openapi import GENERATION_RESPONSES
+from .responses import (
+    EventStream,
+    chat_logprobs,
+    completion_logprobs,
+    envelope,
+    stream_chunks,
+    usage,
+)
+from .settings import ServerSettings
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # metrics labels
+DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks for its client
+
+
+@dataclass
+class Serving:
+    """What the routes serve with."""
+
+    worker: EngineWorker
+    tokenizer: Any
+    served: list[str]  # model names this server answers to
+    capacity: EngineCapacity
+    settings: ServerSettings
+    metrics: Metrics
+
+
+def admit(s: Serving, job: Job, prefix: str) -> JobRun:
+    """Reserve room for every choice of ``job`` (raises the worker's refusals)."""
+    reservation = s.worker.reserve(len(job.prompts) * job.n)
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    return JobRun(s.worker, s.tokenizer, job, request_id, reservation, s.metrics)
+
+
+async def collect(request: Request, run: JobRun) -> list[list[ChoiceEvent]]:
+    """All events of a plain request, per choice; a client disconnect cancels (so aborts) it.
+    Releases the request's reservation."""
+    per_choice: list[list[ChoiceEvent]] = [[] for _ in range(len(run.job.prompts) * run.job.n)]
+
+    async def consume():
+        async for ev in run.events():
+            per_choice[ev.index].append(ev)
+
+    with run.reservation:
+        task = asyncio.create_task(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            raise APIError(499, "client disconnected", "invalid_request_error") from None
+    return per_choice
+
+
+def _finish(evs: list[ChoiceEvent]) -> str | None:
+    return evs[-1].finish_reason if evs else None
+
+
+def add_generation_routes(app: FastAPI, s: Serving) -> None:
+    @app.post(
+        "/v1/completions", response_model=P.CompletionResponse, responses=GENERATION_RESPONSES
+    )
+    async def completions(req: P.CompletionRequest, request: Request):
+        check_model(req.model, s.served)
+        job = completion_job(req, s.tokenizer, s.settings, s.capacity)
+        prompts = [s.tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
+        run = admit(s, job, "cmpl")
+        build = envelope(P.CompletionResponse, run, req.model, int(time.time()))
+        want_lp = req.logprobs is not None
+
+        if req.stream:
+            echoed = [
+                P.CompletionChoice(index=i, text=prompts[i // job.n])
+                for i in range(len(prompts) * job.n)
+            ]
+            offsets: dict[int, int] = {}
+
+            def choice(ev: ChoiceEvent) -> P.CompletionChoice:
+                lp = None
+                if want_lp:
+                    lp = completion_logprobs([ev], offsets.get(ev.index, 0))
+                    offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+                return P.CompletionChoice(
+                    index=ev.index, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason
+                )
+
+            head = echoed if job.echo else []
+            chunks = stream_chunks(run, build, head, choice, include_usage(req))
+            return EventStream(chunks, run.reservation)
+
+        choices = []
+        for i, evs in enumerate(await collect(request, run)):
+            prefix = prompts[i // job.n] if job.echo else ""
+            lp = completion_logprobs(evs, len(prefix)) if want_lp else None
+            text = prefix + "".join(e.text for e in evs)
+            choices.append(
+                P.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_finish(evs))
+            )
+        return build(choices, usage(run))
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=P.ChatCompletionResponse,
+        responses=GENERATION_RESPONSES,
+    )
+    async def chat(req: P.ChatCompletionRequest, request: Request):
+        check_model(req.model, s.served)
+        job = chat_job(req, s.tokenizer, s.settings, s.capacity)
+        run = admit(s, job, "chatcmpl")
+        created = int(time.time())
+
+        if req.stream:
+            build = envelope(P.ChatCompletionChunk, run, req.model, created)
+            roles = [
+                P.ChatChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))
+                for i in range(job.n)
+            ]
+
+            def choice(ev: ChoiceEvent) -> P.ChatChunkChoice:
+                return P.ChatChunkChoice(
+                    index=ev.index,
+                    delta=P.Delta(content=ev.text) if ev.text else P.Delta(),
+                    finish_reason=ev.finish_reason,
+                    logprobs=chat_logprobs([ev]) if req.logprobs else None,
+                )
+
+            chunks = stream_chunks(run, build, roles, choice, include_usage(req))
+            return EventStream(chunks, run.reservation)
+
+        choices = [
+            P.ChatChoice(
+                index=i,
+                message=P.AssistantMessage(content="".join(e.text for e in evs)),
+                logprobs=chat_logprobs(evs) if req.logprobs else None,
+                finish_reason=_finish(evs),
+            )
+            for i, evs in enumerate(await collect(request, run))
+        ]
+        build = envelope(P.ChatCompletionResponse, run, req.model, created)
+        return build(choices, usage(run))
+
+
+def include_usage(req: P.CompletionRequest | P.ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,118 @@
+"""Start-up calibration on tiny random models: the points it adds, its slot hygiene, and that
+every forward it times goes through engine.timing."""
+
+import pytest
+
+import engine.timing
+from engine.calibration import calibrate
+from engine.k_control import AdaptiveK
+from engine.model_runner import ModelRunner
+from engine.round_cost import RoundCost
+
+
+class Recorder:
+    """A CostModel that records the calibration points it is given."""
+
+    def __init__(self):
+        self.shape = lambda batch, q: (batch, q)
+        self.points, self.steps = [], []
+
+    def observe(self, batch, width, steps, rest_s, draft_s):
+        pass
+
+    def predict(self, batch, width, steps):
+        return 1.0
+
+    def add_calibration(self, batch, width, seconds):
+        self.points.append((batch, width, seconds))
+
+    def add_step_calibration(self, batch, seconds):
+        self.steps.append((batch, seconds))
+
+
+@pytest.fixture
+def runners(models):
+    target, draft = models
+    return ModelRunner(target, num_slots=6, max_len=128), ModelRunner(
+        draft, num_slots=6, max_len=128
+    )
+
+
+def assert_all_free(*rs):
+    for r in rs:
+        assert r.cache.num_free() == 6 and r.cache.used_tokens() == 0
+
+
+def test_adds_points_at_the_calibration_shapes(runners):
+    target, draft = runners
+    cost = Recorder()
+    calibrate(cost, target, draft, target.cache.free_slots())
+    assert [(b, w) for b, w, _ in cost.points] == [(b, w) for b in (1, 4) for w in (0, 2, 6)]
+    assert [b for b, _ in cost.steps] == [1, 4]
+    assert all(s > 0 for *_, s in cost.points + cost.steps)
+    assert_all_free(target, draft)
+
+
+def test_every_timed_forward_goes_through_engine_timing(runners, monkeypatch):
+    target, draft = runners
+    synced, forwards = [], []
+    real_sync = engine.timing.synchronize
+
+    def sync(device):
+        synced.append(device)
+        real_sync(device)
+
+    for r in (target, draft):
+        real = r.forward
+
+        def counting(*a, _real=real, **kw):
+            forwards.append(kw.get("logits"))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(r, "forward", counting)
+    monkeypatch.setattr(engine.timing, "synchronize", sync)
+    calibrate(Recorder(), target, draft, [0, 1], repeats=2)
+    timed_shapes = 2 * (3 + 1)  # batches {1, 2} x (3 target widths + 1 draft step)
+    assert len(synced) == 2 * 2 * timed_shapes  # before and after each of 2 timed repeats
+    assert all(d == target.device for d in synced)
+    # 2 context forwards per runner, then 1 warm-up + 2 timed forwards per shape
+    assert forwards.count("all") == 3 * timed_shapes and len(forwards) == 4 + 3 * timed_shapes
+    assert_all_free(target, draft)
+
+
+def test_slots_are_freed_when_a_forward_fails(runners, monkeypatch):
+    target, draft = runners
+    real = target.forward
+
+    def failing(tokens, slots, counts=None, logits="last"):
+        if logits == "all":
+            raise RuntimeError("boom")
+        return real(tokens, slots, counts, logits)
+
+    monkeypatch.setattr(target, "forward", failing)
+    with pytest.raises(RuntimeError):
+        calibrate(Recorder(), target, draft, target.cache.free_slots())
+    assert_all_free(target, draft)
+
+
+def test_uses_only_the_free_slots_it_is_given(runners):
+    target, _ = runners
+    held = target.cache.allocate(0)
+    calibrate(Recorder(), target, None, target.cache.free_slots())
+    assert target.cache.num_free() == 5 and sorted(target.cache.free_slots()) == [1, 2, 3, 4, 5]
+    target.cache.free(held)
+    calibrate(Recorder(), target, None, [])  # no free slot: nothing to do
+    assert_all_free(target)
+
+
+def test_adaptive_calibrates_once_it_has_a_free_slot(runners):
+    target, draft = runners
+    ctrl = AdaptiveK(4, cost=None)
+    ctrl.calibrate(target, draft, [])
+    assert not ctrl.calibrated
+    ctrl.calibrate(target, draft, target.cache.free_slots())
+    assert ctrl.calibrated and isinstance(ctrl.cost, RoundCost)
+    # calibration points sit in the fit (times themselves vary with load: not compared)
+    assert ctrl.cost.rest.b_fixed[0] > 0 and ctrl.cost.step.b_fixed[0] > 0
+    assert ctrl.cost.observed == 0
+    assert_all_free(target, draft)

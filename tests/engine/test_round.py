@@ -1,0 +1,101 @@
+"""The round keeps its promise of one device->host sync (engine/round.py, engine/output.py).
+
+On CPU a sync cannot be observed directly, so every Python-level way to read a tensor on the
+host (``tolist``, ``item``, ``bool``, ``int``, ``float``, ``numpy``, ``cpu``) is counted while
+a round runs; on CUDA, ``torch.cuda.set_sync_debug_mode`` checks the same thing for real.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from tests.engine.conftest import engine_for
+
+READS = ["tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"]
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    counts = {"n": 0}
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def wrap(orig):
+        def f(self, *a, **k):
+            counts["n"] += 1
+            return orig(self, *a, **k)
+
+        return f
+
+    for name, orig in saved.items():
+        setattr(torch.Tensor, name, wrap(orig))
+    try:
+        yield counts
+    finally:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, orig)
+
+
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=40),
+    SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, logprobs=3),
+    SamplingParams(temperature=1.0, top_k=5, max_tokens=40, seed=7),
+    SamplingParams(temperature=0.7, max_tokens=40),
+]
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], list(range(10, 30)), [7] * 5, [4, 5, 6, 4, 5]]
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_one_host_read_per_round(models, drafter):
+    e = engine_for(models, drafter)
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+        e.add_request(f"r{i}", p, sp, SpecParams(k=3))
+    e.step()  # admission, prefill and the first tokens (their own single read), then a round
+    rounds = 0
+    while e.has_work() and rounds < 10:
+        assert not e.prefilling and not e.waiting
+        with count_host_reads() as reads:
+            outs = e.step()
+        assert reads["n"] == 1, f"round {rounds}: {reads['n']} host reads"
+        assert outs
+        rounds += 1
+    assert rounds == 10
+    assert sum(s.drafted for s in e.running) > 0  # the rounds really speculated
+
+
+def test_first_tokens_read_the_host_once(models):
+    e = engine_for(models, "model")
+    e.add_request("a", [1, 2, 3], SamplingParams(temperature=0.9, max_tokens=4, logprobs=2))
+    e.add_request("b", [4, 5], SamplingParams(temperature=0, max_tokens=4))
+    sched = e.scheduler
+    chunks = sched.schedule_prefill()
+    logits = []
+    for c in chunks:
+        logits.append(e.target.forward([c.tokens], [c.seq.slot]))
+        sched.prefilled(c)
+    with count_host_reads() as reads:
+        outs = e.speculator.first_tokens([c.seq for c in chunks], torch.cat(logits))
+    assert reads["n"] == 1 and len(outs) == 2
+    assert outs[0].logprobs is not None and len(outs[0].top_logprobs[0]) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_sync_per_round_on_cuda(models):  # pragma: no cover - runs where a GPU is
+    target, draft = (m.to("cuda") for m in models)
+    e = engine_for((target, draft), "model")
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+        e.add_request(f"r{i}", p, sp, SpecParams(k=3))
+    e.step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        import warnings
+
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            e.step()
+        syncs = [x for x in w if "synchroniz" in str(x.message)]
+        assert len(syncs) == 1, [str(x.message) for x in syncs]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -1,0 +1,195 @@
+"""Shared test builders: one tiny random Llama, one engine over in-memory models, and the exact
+statistics the distribution tests use (target distributions by enumeration, a chi-square
+goodness-of-fit p-value)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from engine.drafters import ModelDrafter, NgramDrafter
+from engine.engine import SpecEngine
+from engine.model_runner import ModelRunner
+from engine.sampling import logits_to_probs
+
+
+def tiny_llama(
+    seed: int,
+    layers: int = 2,
+    vocab: int = 64,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 512,
+    tie: bool = False,
+    sharpen: float | None = None,
+):
+    """A tiny random Llama (no download), in eval mode, float32. Its weights depend only on the
+    arguments: the global torch RNG is left as it was (tests may run in any order).
+    ``sharpen`` multiplies the LM head (output distributions far from uniform)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).eval()
+    if sharpen is not None:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(sharpen)
+    return model
+
+
+def engine_for(
+    models,
+    drafter: str | None = "model",
+    slots: int = 8,
+    chunk: int = 512,
+    *,
+    max_len: int = 256,
+    eos: Iterable[int] = (),
+    controller=None,
+    k_max: int = 8,
+    max_prefill: int = 4,
+    num_layers: int | None = None,
+    draft_dtype: torch.dtype | None = None,
+) -> SpecEngine:
+    """A :class:`SpecEngine` over in-memory models, built as engine/builder.py builds one.
+
+    ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
+    draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
+    e.g. a bf16 draft of an fp32 target), ``"layers"`` (the target's first ``num_layers``
+    layers), ``"ngram"``, or None / ``"none"`` (plain decoding)."""
+    target, draft = models if isinstance(models, tuple | list) else (models, None)
+    runner = ModelRunner(target, num_slots=slots, max_len=max_len)
+    vocab = runner.vocab_size
+    if drafter in (None, "none"):
+        d = None
+    elif drafter == "ngram":
+        d = NgramDrafter(runner.device)
+    elif drafter in ("model", "self", "layers"):
+        if drafter == "model":
+            if draft is None:
+                raise ValueError("drafter 'model' needs a (target, draft) pair")
+            dm, layers, name = draft, None, "draft_model"
+        else:
+            dm = target
+            if draft_dtype is not None:
+                dm = copy.deepcopy(target).to(draft_dtype)
+            layers = num_layers if drafter == "layers" else None
+            if drafter == "layers" and not layers:
+                raise ValueError("drafter 'layers' needs num_layers")
+            name = f"{drafter}{layers or ''}"
+        d = ModelDrafter(
+            ModelRunner(dm, num_slots=slots, max_len=max_len, num_layers=layers, name="draft"),
+            vocab,
+            name=name,
+        )
+    else:
+        raise ValueError(f"unknown drafter {drafter!r}")
+    return SpecEngine(
+        runner,
+        d,
+        eos_token_ids=list(eos),
+        max_prefill_per_step=max_prefill,
+        prefill_chunk_tokens=chunk,
+        controller=controller,
+        k_max=k_max,
+    )
+
+
+# -- exact target distributions ------------------------------------------------------------------
+def target_probs(model, ids: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The target's processed next-token distribution after ``ids`` (transformers' own forward,
+    then temperature / top-k / top-p as engine/sampling.py applies them): [vocab] float64."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[:, -1:].float()  # [1, 1, vocab]
+    probs = logits_to_probs(
+        logits,
+        torch.tensor([temperature or 1.0]),
+        torch.tensor([top_k]),
+        torch.tensor([top_p]),
+    )
+    return probs[0, 0].double()
+
+
+def exact_joint(
+    model,
+    prompt: list[int],
+    n_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop: Iterable[int] = (),
+) -> dict[tuple[int, ...], float]:
+    """P(output | prompt) of every possible output of at most ``n_tokens`` tokens, by walking the
+    tree of prefixes; an output ends early at a ``stop`` token (included)."""
+    stop = set(stop)
+    joint: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: list[int], pr: float) -> None:
+        if len(prefix) == n_tokens or (prefix and prefix[-1] in stop):
+            joint[tuple(prefix)] = joint.get(tuple(prefix), 0.0) + pr
+            return
+        for t, pt in enumerate(target_probs(model, prompt + prefix, temperature, top_k, top_p)):
+            if pt > 0:
+                walk(prefix + [t], pr * float(pt))
+
+    walk([], 1.0)
+    return joint
+
+
+# -- goodness of fit -----------------------------------------------------------------------------
+def chi2_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square with ``df`` degrees of freedom."""
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0).double(), torch.tensor(stat / 2.0)))
+
+
+def chi_square_gof(
+    counts: dict, probs: dict, min_expected: float = 5.0
+) -> tuple[float, float, int]:
+    """Pearson's chi-square test of observed ``counts`` against exact cell probabilities
+    ``probs`` (outcomes absent from ``probs`` have probability 0: any such count fails the test).
+    Cells expected to hold fewer than ``min_expected`` draws are pooled into one (and that pool,
+    if still under ``min_expected``, into the smallest kept cell), so the chi-square
+    approximation holds. Returns (statistic, p-value, degrees of freedom)."""
+    n = sum(counts.values())
+    if any(c and probs.get(o, 0.0) <= 0.0 for o, c in counts.items()):
+        return math.inf, 0.0, 0
+    cells = sorted(probs, key=lambda o: -probs[o])
+    kept = [o for o in cells if probs[o] * n >= min_expected]
+    rare = [o for o in cells if probs[o] * n < min_expected]
+    obs = [counts.get(o, 0) for o in kept]
+    exp = [probs[o] * n for o in kept]
+    if rare:
+        pool_obs, pool_exp = sum(counts.get(o, 0) for o in rare), sum(probs[o] * n for o in rare)
+        if pool_exp >= min_expected or not kept:
+            obs.append(pool_obs)
+            exp.append(pool_exp)
+        else:
+            obs[-1] += pool_obs
+            exp[-1] += pool_exp
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    return stat, chi2_sf(stat, df), df
+
+
+def histogram(outputs: Iterable, key: Callable = tuple) -> dict:
+    counts: dict = {}
+    for o in outputs:
+        k = key(o)
+        counts[k] = counts.get(k, 0) + 1
+    return counts

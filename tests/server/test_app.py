@@ -1,0 +1,58 @@
+"""The app's health routes follow the engine loop: ``/ready`` answers 503 once the loop died (an
+exception that escaped it, not a failed step), and generation is refused; ``/health`` stays up."""
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.engine import EngineLoad
+from engine.worker import EngineWorker
+from tests.server.conftest import make_app
+from tests.server.test_errors import CHAT, assert_error
+
+pytestmark = pytest.mark.real_model  # the real tokenizer
+
+
+class DyingEngine:
+    """An engine with nothing to do, whose loop dies once ``die`` is set."""
+
+    lossless, num_slots = True, 1
+
+    def __init__(self):
+        self.die = threading.Event()
+
+    def has_work(self) -> bool:
+        if self.die.is_set():
+            raise RuntimeError("the engine loop itself failed")
+        return False
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(0, 0, 0, 1, 1, 0)
+
+    def needs_warm_up(self) -> bool:
+        return False
+
+    def held_ids(self) -> list[str]:
+        return []
+
+    def waiting_ids(self) -> list[str]:
+        return []
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+
+def test_ready_turns_503_when_the_engine_loop_dies(built):
+    engine = DyingEngine()
+    worker = EngineWorker(engine)
+    worker.start()
+    with TestClient(make_app(built, worker)) as c:
+        assert c.get("/ready").json()["status"] == "ready"
+        engine.die.set()
+        worker.abort("wake-up")  # the loop wakes, drains its inbox, asks for work: dies
+        worker._thread.join(30)
+        assert not worker._thread.is_alive() and not worker.healthy
+        assert assert_error(c.get("/ready"), 503)["code"] == "not_ready"
+        assert assert_error(c.post("/v1/chat/completions", json=CHAT), 503)["code"] == "not_ready"
+        assert c.get("/health").status_code == 200
