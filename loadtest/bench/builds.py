@@ -69,7 +69,7 @@ def main(argv=None) -> None:
             for c, summary in drive(servers[name].base_url, args).items():
                 runs.append({"build": name, "repeat": rep, "concurrency": c, "summary": summary})
             print(f"repeat {rep} {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        rss = {name: s.rss.peak() for name, s in servers.items()}
+        rss = {name: s.rss.peak for name, s in servers.items()}
     rows = []
     for c in sorted({r["concurrency"] for r in runs}):
         pick = {(r["build"], r["repeat"]): r["summary"] for r in runs if r["concurrency"] == c}
