@@ -9,7 +9,9 @@ import torch
 
 from .config import EngineConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters.eagle import EagleDrafter
 from .drafters.model import check_same_vocab
+from .eagle_head import load_head
 from .engine import SpecEngine
 from .fast_forward import attach
 from .k_control import AdaptiveK, FixedK, HeuristicK, KController
@@ -53,6 +55,34 @@ def make_controller(d, drafter) -> KController:
     raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
 
 
+def head_folder(source: str) -> Path:
+    """An EAGLE-3 head's folder: a path as given, else relative to the repository (the heads
+    this project trains live under ``models/``)."""
+    p = Path(source)
+    if not p.exists() and not p.is_absolute():
+        p = Path(__file__).resolve().parent.parent / source
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"no EAGLE-3 head at {source!r} (a folder with config.json)")
+    return p
+
+
+def eagle_drafter(source: str | None, model, runner: ModelRunner) -> EagleDrafter:
+    """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype)."""
+    if not source:
+        raise ValueError("drafter.method 'eagle3' needs drafter.source (an EAGLE-3 head folder)")
+    head = load_head(head_folder(source), len(runner.weights), runner.dtype, runner.device)
+    c, hidden = head.config, model.config.hidden_size
+    if c.vocab_size != runner.vocab_size or c.target_hidden_size != hidden:
+        raise ValueError(
+            f"the EAGLE-3 head at {source!r} is for a target with vocabulary {c.vocab_size} and "
+            f"hidden size {c.target_hidden_size}, not {runner.vocab_size} and {hidden}"
+        )
+    if max(c.aux_layers) >= len(runner.weights):
+        raise ValueError(f"the head taps layers {c.aux_layers}: the target has fewer")
+    embed = model.model.embed_tokens
+    return EagleDrafter(head, embed, runner.cache.num_slots, runner.max_len, runner.vocab_size)
+
+
 def build_engine(cfg: EngineConfig, target=None) -> Built:
     """``target`` may pass an already loaded (model, tokenizer) pair (tests share one)."""
     if cfg.threads:
@@ -89,8 +119,12 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         check_same_vocab(tok, dtok)
         drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
+    elif d.method == "eagle3":
+        drafter = eagle_drafter(d.source, model, runner)
     else:
-        raise ValueError(f"unknown drafter method {d.method!r} (ngram, model, self, layers, none)")
+        raise ValueError(
+            f"unknown drafter method {d.method!r} (eagle3, ngram, model, self, layers, none)"
+        )
     engine = SpecEngine(
         runner,
         drafter,

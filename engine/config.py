@@ -36,6 +36,7 @@ class ModelConfig:
 
 @dataclass
 class DrafterConfig:
+    # eagle3: an EAGLE-3 head over the target's features (``source``: its folder) |
     # ngram: prompt lookup, no model | model: a separate draft model (``source``) |
     # self: the target as its own draft | layers: the target's first ``num_layers`` layers |
     # none: plain decoding

@@ -65,6 +65,7 @@ class SpecEngine:
         self.controller = controller
         controller.price_shapes(target.padded_shape)  # the fast path pads verify shapes
         self.guard = GuardedDrafter(drafter) if drafter is not None else None
+        target.taps = drafter.taps if drafter is not None else ()  # what the drafter reads
         self.scheduler = Scheduler(
             target.cache,
             target.max_len,
@@ -151,6 +152,8 @@ class SpecEngine:
         new, last_logits = [], []
         for c in chunks:
             logits = self.target.forward([c.tokens], [c.seq.slot])  # [1, vocab]
+            if self.guard is not None:
+                self.guard.observe([c.seq], self.target.tapped, [c.start], [len(c.tokens)])
             sched.prefilled(c)
             if c.completes:
                 new.append(c.seq)

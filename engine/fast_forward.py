@@ -143,12 +143,14 @@ class FastForward:
         row_start, row_count = [0] * nb, [0] * nb  # padding rows: zero tokens at position 0
         for s, st, n in zip(slots, starts, counts):
             row_start[s], row_count[s] = st, n
-        pos, write_pos = runner.positions(row_start, row_count, qb)  # [nb, qb]
+        pos, write_pos = runner.cache.positions(row_start, row_count, qb)  # [nb, qb]
         slot_t = torch.tensor(slots, device=dev)  # [batch]
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
         kv_len = max(st + n for st, n in zip(starts, counts))
         h = self._call(ids_b, pos.to(dev), write_pos.to(dev), self._kv_len(kv_len))
+        if runner.tapped is not None:  # the rows of this forward's slots
+            runner.tapped = runner.tapped[slot_t, :q]  # [batch, q, taps * hidden]
         return h[slot_t, :q]  # [batch, q, hidden]
 
     def _kv_len(self, kv_len: int) -> int:
@@ -219,7 +221,7 @@ class FastForward:
                 for qb in self.q_buckets:
                     t = time.perf_counter()
                     ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
-                    pos, write_pos = runner.positions([0] * nb, [0] * nb, qb)
+                    pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)
                     for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
                         self._call(ids, pos.to(dev), write_pos.to(dev), kv)
                     if dev.type == "cuda":

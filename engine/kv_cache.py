@@ -103,6 +103,19 @@ class SlotKVCache:
     def used_tokens(self) -> int:
         return sum(self.lengths)
 
+    def positions(
+        self, starts: list[int], counts: list[int], q: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host-built index tensors ``[batch, q]`` (no device sync) for rows feeding ``counts[b]``
+        tokens at ``starts[b]``: the position of every query token, and where its K/V is written
+        (padding past a row's count goes to the scratch column)."""
+        pos = torch.tensor(
+            [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
+        )  # [batch, q]
+        valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
+        write_pos = torch.where(valid, pos, torch.full_like(pos, self.scratch_pos))
+        return pos, write_pos
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget every position >= ``length`` (they stay in memory but are never read again)."""
         if length > self.lengths[slot]:

@@ -101,17 +101,22 @@ def decoder_layer(
     write_pos: torch.Tensor,
     first_slot: int | None,
     shape: LayerShape,
+    x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Llama-family decoder layer over the slot cache, weights passed in, so one compiled
-    graph serves every layer. h ``[batch, q, hidden]``; cos/sin ``[batch, 1, q, head_dim]``; mask
-    ``[batch, 1, q, kv_len]``; kc/vc this layer's cache ``[slots, kv_heads, max_len+1, head_dim]``
-    (written in place at ``write_pos`` ``[batch, q]`` of rows ``slot_t`` ``[batch]``). Keys are
-    read as a view of slots ``first_slot ..`` when the rows are consecutive slots from there,
-    else gathered by ``slot_t``. Returns h ``[batch, q, hidden]``."""
+    graph serves every layer. h ``[batch, q, hidden]`` (the residual stream); ``x`` the
+    attention's input (default ``rms_norm(h)``; the EAGLE-3 head's layer attends over
+    [normed token embedding, normed feature] ``[batch, q, 2 hidden]``, engine/eagle_head.py);
+    cos/sin ``[batch, 1, q, head_dim]``; mask ``[batch, 1, q, kv_len]``; kc/vc this layer's
+    cache ``[slots, kv_heads, max_len+1, head_dim]`` (written in place at ``write_pos``
+    ``[batch, q]`` of rows ``slot_t`` ``[batch]``). Keys are read as a view of slots
+    ``first_slot ..`` when the rows are consecutive slots from there, else gathered by
+    ``slot_t``. Returns h ``[batch, q, hidden]``."""
     B, q, _ = h.shape
     nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
     kv_len = mask.shape[-1]
-    x = rms_norm(h, w.input_norm, shape.eps)
+    if x is None:
+        x = rms_norm(h, w.input_norm, shape.eps)
     qs, ks, vs = _qkv(x, w)
     qs = qs.reshape(B, q, nh, hd)
     ks = ks.reshape(B, q, kvh, hd)

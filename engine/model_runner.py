@@ -35,6 +35,10 @@ class ModelRunner:
 
     fast: FastForward | None  # the compiled path (engine/fast_forward.py), once attached
     head: Q4Weight | None  # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head)
+    # layers whose *inputs* every forward records (an EAGLE-3 drafter reads them), and what the
+    # last forward recorded: [batch, q, len(taps) * hidden], the taps concatenated in order
+    taps: tuple[int, ...]
+    tapped: torch.Tensor | None
 
     def __init__(
         self,
@@ -76,6 +80,7 @@ class ModelRunner:
         )
         self.fast = None
         self.head = None
+        self.taps, self.tapped = (), None
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -116,7 +121,7 @@ class ModelRunner:
             except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
                 disable(self, e)  # the eager forward below rewrites every position it wrote
         if h is None:
-            pos, write_pos = self.positions(starts, counts, q)
+            pos, write_pos = cache.positions(starts, counts, q)
             contiguous = slots == list(range(slots[0], slots[0] + B))
             slot_t = torch.tensor(slots, device=dev)  # [batch]
             kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
@@ -152,18 +157,6 @@ class ModelRunner:
         padded = self.fast.bucket_shape(batch, q) if self.fast is not None else None
         return padded or (batch, q)
 
-    def positions(
-        self, starts: list[int], counts: list[int], q: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host-built index tensors (no device sync): the position of every query token, and where
-        its K/V is written (padding past a row's count goes to the scratch column)."""
-        pos = torch.tensor(
-            [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
-        )  # [batch, q]
-        valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
-        write_pos = torch.where(valid, pos, torch.full_like(pos, self.cache.scratch_pos))
-        return pos, write_pos
-
     def layers_forward(
         self,
         ids: torch.Tensor,
@@ -180,14 +173,17 @@ class ModelRunner:
         are read up to kv_len. ``first_slot``: rows are the consecutive slots from there (keys
         are read as a view), or None (keys gathered by slot_t). ``layer_fn``: the compiled
         :func:`decoder_layer` (engine/fast_forward.py), default eager. Returns the final-normed
-        hidden states ``[batch, q, hidden]``; K/V of every query token written in place."""
+        hidden states ``[batch, q, hidden]``; K/V of every query token written in place; the
+        inputs of the layers in ``taps`` kept in ``tapped``."""
         layer_fn = layer_fn or decoder_layer
-        cache = self.cache
+        cache, tapped = self.cache, []
         h = self.embed(ids)  # [batch, q, hidden]
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
         for i, w in enumerate(self.weights):
+            if i in self.taps:
+                tapped.append(h)
             h = layer_fn(
                 h,
                 w,
@@ -201,4 +197,5 @@ class ModelRunner:
                 first_slot,
                 self.shape,
             )
+        self.tapped = torch.cat(tapped, dim=-1) if tapped else None  # [batch, q, taps * hidden]
         return self.norm(h)

@@ -71,6 +71,9 @@ class Speculator:
         verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
         counts = [n + 1 for n in num_draft]
         logits = self.target.forward(verify_ids, [s.slot for s in seqs], counts, logits="all")
+        if self.drafter is not None:  # the target's features of these positions (EAGLE-3)
+            starts = [s.num_tokens - 1 for s in seqs]
+            self.drafter.observe(seqs, self.target.tapped, starts, counts)
         probs = self._probs(logits, plan)  # [batch, K+1, vocab]
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync

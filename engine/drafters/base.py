@@ -43,8 +43,23 @@ class Drafter(Protocol):
         """Its own model runner (compiled and timed with the target's), if it has one."""
         ...
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """Target layers whose inputs (hidden states) the drafter reads through ``observe``
+        (EAGLE-3: low, middle, high); empty: it reads none."""
+        ...
+
     def steps(self, width: int) -> int:
         """Sequential drafting steps to propose ``width`` tokens (the K controller's cost)."""
+        ...
+
+    def observe(
+        self, seqs: list[Sequence], hidden: torch.Tensor, starts: list[int], counts: list[int]
+    ) -> None:
+        """After a target forward (a prefill chunk or a verify) when ``taps`` is not empty:
+        ``hidden`` ``[batch, q, len(taps) * hidden]`` holds the tapped states of positions
+        ``[starts[b], starts[b] + counts[b])`` of row b (a verify's rejected positions
+        included: ``commit`` drops them)."""
         ...
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -71,9 +86,15 @@ class DrafterBase:
     name: str = "drafter"
     samples: bool = False
     runner: ModelRunner | None = None
+    taps: tuple[int, ...] = ()
 
     def steps(self, width: int) -> int:
         return width
+
+    def observe(
+        self, seqs: list[Sequence], hidden: torch.Tensor, starts: list[int], counts: list[int]
+    ) -> None:
+        return None
 
     def add(self, seqs: list[Sequence]) -> None:
         return None

@@ -1,10 +1,10 @@
 """Drafter fault isolation: the engine's only way to call a drafter.
 
-Invariant: a drafter fault never costs a token. Any exception in ``add``, ``propose``, ``commit``
-or ``remove``, or a malformed proposal, makes that round a plain round (K = 0) for the rows the
-call was for, and those rows decode plainly (no drafting) for the rest of their life: the target
-alone decides every token of a K = 0 round, so their output is still exactly the target's. Each
-fault adds one to :attr:`GuardedDrafter.failures` (a metric reads it).
+Invariant: a drafter fault never costs a token. Any exception in ``add``, ``observe``,
+``propose``, ``commit`` or ``remove``, or a malformed proposal, makes that round a plain round
+(K = 0) for the rows the call was for, and those rows decode plainly (no drafting) for the rest
+of their life: the target alone decides every token of a K = 0 round, so their output is still
+exactly the target's. Each fault adds one to :attr:`GuardedDrafter.failures` (a metric reads it).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from typing import TypeVar
+
+import torch
 
 from ..plan import RoundPlan
 from ..sequence import Sequence, SpecParams
@@ -31,6 +33,18 @@ class GuardedDrafter:
 
     def remove(self, seq: Sequence) -> None:
         self._guard("remove", [seq], lambda: self.inner.remove(seq))
+
+    def observe(
+        self,
+        seqs: list[Sequence],
+        hidden: torch.Tensor | None,
+        starts: list[int],
+        counts: list[int],
+    ) -> None:
+        """The target's tapped states of the forward that just ran (a no-op unless the drafter
+        reads taps)."""
+        if self.inner.taps and hidden is not None:
+            self._guard("observe", seqs, lambda: self.inner.observe(seqs, hidden, starts, counts))
 
     def commit(self, seqs: list[Sequence]) -> None:
         self._guard("commit", seqs, lambda: self.inner.commit(seqs))

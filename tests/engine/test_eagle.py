@@ -1,0 +1,263 @@
+"""The EAGLE-3 drafter (engine/drafters/eagle.py) over tiny random models: greedy output equals
+plain greedy output (batch 1 and ragged batches), the head's cache after every round equals a
+fresh take-in of the same features, in the all-accepted and first-rejected cases, and sampled
+output follows the target's distribution (chi-square at a fixed significance)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.drafters.eagle import EagleDrafter
+from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
+from engine.engine import SpecEngine
+from engine.k_control import FixedK
+from engine.model_runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from tests import helpers
+
+VOCAB, HIDDEN, LAYERS = 16, 64, 4
+
+
+def random_head(
+    seed: int, vocab: int = VOCAB, draft_vocab: int = 12, layers: int = LAYERS, hidden=HIDDEN
+):
+    """A random EAGLE-3 head for a tiny Llama, sharpened so its guesses vary."""
+    cfg = HeadConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=hidden,
+        aux_layers=default_aux_layers(layers) if layers > 8 else (0, 1, layers - 1),
+        max_position_embeddings=512,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(cfg)
+        with torch.no_grad():
+            head.lm_head.weight.mul_(8.0)
+        head.set_vocab(torch.randperm(vocab)[:draft_vocab].sort().values)
+    return head
+
+
+def echo_head(target, draft_vocab: int = 12) -> Eagle3Head:
+    """A head that guesses the target's *current* token at each position (its layer muted, fc
+    passing the last tap through the target's own final norm and LM head, limited to the draft
+    vocabulary): right whenever the output repeats a token, so rounds accept some drafts and
+    reject others."""
+    head = random_head(0, vocab=target.config.vocab_size, draft_vocab=draft_vocab)
+    h = target.config.hidden_size
+    ids = head.draft_to_target
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * h :] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight[ids])
+    return head
+
+
+def eagle_engine(target, head, slots=4, k=None, max_len=256) -> SpecEngine:
+    runner = ModelRunner(target, num_slots=slots, max_len=max_len)
+    d = EagleDrafter(head, target.model.embed_tokens, slots, runner.max_len, runner.vocab_size)
+    ctl = FixedK(k) if k is not None else None
+    return SpecEngine(runner, d, eos_token_ids=[], controller=ctl, k_max=8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def test_head_files_round_trip(tmp_path):
+    head = random_head(1)
+    save_head(head, tmp_path, dtype=torch.float32)
+    cfg = (tmp_path / "config.json").read_text()
+    assert '"LlamaForCausalLMEagle3"' in cfg and '"draft_vocab_size": 12' in cfg
+    back = load_head(tmp_path)
+    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert back.config.aux_layers == head.config.aux_layers
+    assert torch.equal(back.draft_to_target, head.draft_to_target)
+
+
+def test_loader_reads_specforge_names(tmp_path):
+    """SpecForge / EAGLE write ``layers.0.*`` (or ``midlayer.*``), may add ``embed_tokens`` and
+    leave out the aux layer ids (then the target's defaults apply)."""
+    from safetensors.torch import save_file
+
+    head = random_head(2, layers=30)
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in head.state_dict().items()}
+    state["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    cfg = head.config.to_json()
+    del cfg["eagle_config"]
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    back = load_head(tmp_path, target_layers=30)
+    assert back.config.aux_layers == (2, 15, 27)
+    assert back.embed_tokens is not None
+    assert torch.equal(back.fc.weight, head.fc.weight)
+    with pytest.raises(ValueError, match="aux layers"):
+        load_head(tmp_path)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_greedy_equals_plain_batch_one(target, k):
+    plain = helpers.engine_for(target, None, slots=4)
+    eagle = eagle_engine(target, echo_head(target), k=k)
+    g = SamplingParams(temperature=0, max_tokens=40)
+    for p in prompts(4, seed=k):
+        ref = plain.generate([p], g)[0].output_ids
+        out = eagle.generate([p], g, SpecParams(k=k))[0]
+        assert out.output_ids == ref
+        assert out.drafted > 0
+
+
+def test_greedy_equals_plain_ragged_batch(target):
+    """Ragged rows (prompt lengths 3..40, max_tokens 5..60), more requests than slots, so rows
+    join and leave the batch while others run."""
+    ps = prompts(10, seed=7)
+    plain = helpers.engine_for(target, None, slots=4)
+    eagle = eagle_engine(target, echo_head(target), k=4)
+    params = [SamplingParams(temperature=0, max_tokens=5 + 6 * i) for i in range(len(ps))]
+    ref = [s.output_ids for s in plain.generate(ps, params)]
+    out = eagle.generate(ps, params, SpecParams(k=4))
+    assert [s.output_ids for s in out] == ref
+    assert sum(s.accepted for s in out) > 0  # some drafts were right, some wrong
+    assert sum(s.accepted for s in out) < sum(s.drafted for s in out)
+
+
+def test_drafts_line_up_with_the_target():
+    """With the target's last layer muted, the echo head's guess is exactly the target's current
+    token, so while the output repeats one token every draft is accepted: a head fed features
+    one position off (or tokens paired wrongly) would not be."""
+    t = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
+    with torch.no_grad():
+        t.model.layers[-1].self_attn.o_proj.weight.zero_()
+        t.model.layers[-1].mlp.down_proj.weight.zero_()
+    eagle = eagle_engine(t, echo_head(t, draft_vocab=VOCAB), k=4)
+    g = SamplingParams(temperature=0, max_tokens=30)
+    for p in prompts(6, seed=7):
+        ref = helpers.engine_for(t, None, slots=1).generate([p], g)[0].output_ids
+        out = eagle.generate([p], g, SpecParams(k=4))[0]
+        assert out.output_ids == ref
+        if len(set(ref)) == 1:  # a repeat from the first token: every draft right
+            assert out.accepted == out.drafted > 0
+    assert eagle.drafter_failures == 0
+
+
+def fresh_cache(drafter: EagleDrafter, target, seq) -> torch.Tensor:
+    """The head's K of positions [0, N - 1) computed from scratch: the target's features of the
+    whole sequence (one prefill), taken in by a new drafter in one forward."""
+    ids = seq.token_array().tolist()
+    runner = ModelRunner(target, num_slots=1, max_len=256)
+    runner.taps = drafter.taps
+    runner.cache.allocate(0)
+    runner.forward([ids[:-1]], [0])
+    feats = runner.tapped[0]  # [N - 1, 3 hidden]
+    fresh = EagleDrafter(drafter.head, drafter.embed, 1, 256, drafter.vocab_size)
+    fresh.cache.allocate(0)
+    fresh.pending[0], fresh.pending_n[0], fresh.real[0] = [feats], len(feats), 0
+
+    class Row:  # the slot and tokens _ingest reads
+        slot = 0
+
+        def token_array(self):
+            return seq.token_array()
+
+    fresh._ingest([Row()], [len(feats)])  # type: ignore[list-item]
+    return fresh.cache.k[0, 0, :, : len(feats)]
+
+
+@pytest.mark.parametrize("case", ["all_accepted", "first_rejected", "mixed"])
+def test_head_cache_equals_a_fresh_take_in(target, case):
+    """After every round the head's real positions equal a fresh take-in of the target's
+    features of the whole sequence, and pending + real covers exactly N - 1 positions."""
+    head = random_head(6)
+    engine = eagle_engine(target, head, k=3)
+    d = engine.drafter
+    assert isinstance(d, EagleDrafter)
+    if case != "mixed":  # force the acceptance: every draft accepted, or the first rejected
+        n_acc = 3 if case == "all_accepted" else 0
+
+        def rule(probs, drafts, num, q, greedy, u, noise):
+            acc = torch.clamp(num, max=n_acc)
+            nxt = probs[torch.arange(len(num)), acc].argmax(-1)
+            return acc, nxt
+
+        engine.accept = rule
+    seqs = [
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=30), SpecParams(k=3))
+        for i, p in enumerate(prompts(3, seed=11))
+    ]
+    checked = 0
+    while engine.has_work():
+        engine.step()
+        for s in seqs:
+            if s.slot < 0 or s.slot not in d.real or s.num_tokens < 2:
+                continue
+            real = d.real[s.slot]
+            assert real + d.pending_n[s.slot] == s.num_tokens - 1
+            ours = d.cache.k[0, s.slot, :, :real]
+            ref = fresh_cache(d, target, s)[:, :real]
+            torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked > 10
+
+
+def draws(engine, prompt, temp, n=4000, max_tokens=4, k=2) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    params = [SamplingParams(temperature=temp, max_tokens=max_tokens, seed=i) for i in range(n)]
+    seqs = engine.generate([prompt] * n, params, SpecParams(k=k))
+    assert sum(s.drafted for s in seqs) > n
+    for s in seqs:
+        counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+    return counts
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_sampled_distribution_matches_target():
+    """4,000 seeded requests of 4 tokens at T = 0.8, the head drafting K = 2 with its own q over
+    an 8-of-12-token draft vocabulary (zero outside it): chi-square against the exact target
+    distribution at significance 1e-3. The same test rejects a drafter that reports a q other
+    than the one it sampled from (uniform over its vocabulary)."""
+    small = helpers.tiny_llama(
+        1, layers=LAYERS, vocab=12, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
+    )
+    prompt, temp = [3, 7, 3, 3, 7], 0.8
+    exact = helpers.exact_joint(small, prompt, 4, temp)
+    head = random_head(9, vocab=12, draft_vocab=8, hidden=32)
+    _, p, df = helpers.chi_square_gof(
+        draws(eagle_engine(small, head, slots=1024, k=2), prompt, temp), exact
+    )
+    assert df > 10
+    assert p > 1e-3, f"p = {p:.2e}: the sampled output is not the target's distribution"
+
+    wrong = eagle_engine(small, head, slots=1024, k=2)
+    d = wrong.drafter
+    propose = d.propose
+
+    def misreported(seqs, plan):
+        prop = propose(seqs, plan)
+        inside = prop.probs > 0
+        prop.probs = inside / inside.sum(-1, keepdim=True).clamp(min=1)
+        return prop
+
+    d.propose = misreported
+    _, p_wrong, _ = helpers.chi_square_gof(draws(wrong, prompt, temp), exact)
+    print(f"eagle3: right q p = {p:.3g}, misreported q p = {p_wrong:.3g}")
+    assert p_wrong < 1e-3
