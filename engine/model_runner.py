@@ -96,7 +96,8 @@ class ModelRunner:
         ``tokens`` is a host list of lists, or a device tensor ``[batch, q]`` with ``counts`` (host
         ints) giving the valid prefix of each row (so drafted tokens never leave the device).
         Returns ``logits="last"`` -> ``[batch, vocab]`` at each row's last valid token, or
-        ``logits="all"`` -> ``[batch, q, vocab]`` (positions past a row's count are garbage).
+        ``logits="all"`` -> ``[batch, q, vocab]`` (positions past a row's count are garbage), or
+        ``logits="hidden"`` -> the final-normed hidden states ``[batch, q, hidden]``.
         Committed lengths are *not* changed: the caller commits what it keeps.
 
         Small forwards (decode steps, verifies, draft steps) go through the compiled fixed-shape
@@ -133,6 +134,8 @@ class ModelRunner:
                 kv_idx,
                 slots[0] if contiguous else None,
             )
+        if logits == "hidden":  # the final-normed hidden states (drafter training)
+            return h  # [batch, q, hidden]
         if logits == "last":
             last = torch.tensor([n - 1 for n in counts], device=dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]

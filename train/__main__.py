@@ -5,16 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import distill
+from . import distill, fit, original
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train")
     sub = ap.add_subparsers(dest="cmd", required=True)
     distill.add_arguments(sub.add_parser("distill", help="self-distillation data"))
+    fit.add_arguments(sub.add_parser("fit", help="train the EAGLE-3 head"))
+    original.add_arguments(sub.add_parser("original", help="ShareGPT's own answers (ablation)"))
     args = ap.parse_args(argv)
     if args.cmd == "distill":
         distill.run(args)
+    elif args.cmd == "fit":
+        fit.run(args)
+    elif args.cmd == "original":
+        original.run(args)
     return 0
 
 

@@ -85,12 +85,18 @@ def conversations(split: str, path: Path | None = None) -> Iterator[dict]:
         yield conv
 
 
-def first_turns(split: str, path: Path | None = None) -> Iterator[tuple[str, str]]:
-    """(id, first human message) of the conversations of ``split`` that open with a human turn
-    followed by an assistant turn: the prompts of the self-distillation."""
+def first_exchanges(split: str, path: Path | None = None) -> Iterator[tuple[str, str, str]]:
+    """(id, first human message, the assistant's answer to it) of the conversations of
+    ``split`` that open with a human turn followed by an assistant turn."""
     for conv in conversations(split, path):
         turns = conv.get("conversations") or []
         if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
             text = turns[0].get("value") or ""
             if text.strip():
-                yield conv["id"], text
+                yield conv["id"], text, turns[1].get("value") or ""
+
+
+def first_turns(split: str, path: Path | None = None) -> Iterator[tuple[str, str]]:
+    """(id, first human message): the prompts of the self-distillation."""
+    for conv_id, text, _ in first_exchanges(split, path):
+        yield conv_id, text

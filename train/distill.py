@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> None:
     from engine.config import EngineConfig
     from engine.sampling import SamplingParams
     from engine.sequence import SpecParams
+    from loadtest.datasets import Prompt, encode
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -70,10 +71,7 @@ def run(args: argparse.Namespace) -> None:
     for conv_id, text in first_turns(args.split):
         if conv_id in done:
             continue
-        enc = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
-        )
-        ids = list(enc["input_ids"])
+        ids = encode(tok, Prompt(conv_id, "sharegpt", "chat", text))
         if len(ids) <= args.max_prompt:
             todo.append((conv_id, ids, _sampled(conv_id)))
         if args.limit and len(todo) + len(done) >= args.limit:
@@ -125,7 +123,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--native-q4", action="store_true", default=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--native-q4", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="compiled decode steps (warm-up first)")

@@ -1,0 +1,60 @@
+"""The training forward (train/ttt.py) computes what the inference drafter computes: step 0 at
+index p is the head taking in position p from real features, step j is the j-th chained draft
+step after it (fed the true tokens), attending over the same keys."""
+
+import torch
+
+from engine.drafters.eagle import EagleDrafter
+from engine.model_runner import ModelRunner
+from tests import helpers
+from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, random_head
+from train.ttt import TTTForward, ttt_loss
+
+
+def test_ttt_steps_equal_the_inference_chain():
+    target = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN)
+    head = random_head(4)
+    ids = [1, 5, 7, 2, 9, 11, 3, 3, 8, 4, 6, 10, 12, 1, 2]
+    runner = ModelRunner(target, num_slots=1, max_len=64)
+    runner.taps = head.config.aux_layers
+    runner.forward([ids], [0])
+    feats = runner.tapped  # [1, S, 3 hidden]
+    steps = 3
+    d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB)
+    fwd = TTTForward(head, target.model.embed_tokens, d.rotary)
+    with torch.no_grad():
+        train_logits = fwd(feats, torch.tensor([ids]), steps)  # each [1, S, draft_vocab]
+    P = 8  # the last real position the drafter takes in
+    d.cache.allocate(0)
+    d.pending[0], d.pending_n[0], d.real[0] = [feats[0, : P + 1]], P + 1, 0
+
+    class Row:
+        slot = 0
+
+        def token_array(self):
+            return torch.tensor(ids).numpy()
+
+    out = d._ingest([Row()], [P + 1])  # type: ignore[list-item]
+    cols = d.draft_ids
+    for j in range(steps):
+        if j > 0:  # the chain: own output and the true token t_{P+1+j} at position P + j
+            tok = torch.tensor([[ids[P + 1 + j]]])
+            out = d._layer(tok, out[:, None], [0], [P + j], [1])[:, 0]
+            d.cache.commit(0, P + j + 1)
+        inference = d._logits(out)[0, cols]  # [draft_vocab]
+        torch.testing.assert_close(inference, train_logits[j][0, P].float(), atol=1e-4, rtol=1e-4)
+
+
+def test_loss_is_zero_distance_at_the_target():
+    """Soft CE equals the target's entropy (its minimum) when the head's logits are the
+    target's, and agreement is 1."""
+    tl = torch.randn(2, 6, 5)
+    predict = torch.ones(2, 6, dtype=torch.bool)
+    same = [tl[:, 1:].clone(), tl[:, 2:].clone()]
+    same = [torch.nn.functional.pad(x, (0, 0, 0, k + 1)) for k, x in enumerate(same)]
+    _, ces, accs = ttt_loss(same, tl, predict)
+    for j, ce in enumerate(ces):
+        p = tl[:, 1 + j :].softmax(-1)
+        entropy = float(-(p * p.log()).sum(-1).mean())
+        assert abs(ce - entropy) < 1e-5
+    assert accs == [1.0, 1.0]

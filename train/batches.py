@@ -1,0 +1,99 @@
+"""Training batches: self-distilled sequences, the draft vocabulary, and the target's features.
+
+A record (train/distill.py) is a prompt and the target's own answer. A training row is
+``prompt + output`` cut at ``max_len`` tokens; the loss counts positions whose next token is an
+output token. Rows are grouped by length into batches of at most ``tokens`` tokens (less
+padding). The target (a :class:`~engine.model_runner.ModelRunner`, as served) computes every
+row's tapped features and its final hidden states in one prefill-shaped forward, without
+committing anything to its cache.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model_runner import ModelRunner
+
+
+@dataclass
+class Row:
+    ids: list[int]
+    start: int  # index of the first output token
+
+
+def read_rows(path: Path, max_len: int, limit: int = 0) -> list[Row]:
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            ids = (r["prompt_ids"] + r["output_ids"])[:max_len]
+            if len(r["prompt_ids"]) + 1 < len(ids):
+                rows.append(Row(ids, len(r["prompt_ids"])))
+            if limit and len(rows) >= limit:
+                break
+    return rows
+
+
+def draft_vocab(rows: list[Row], size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent output tokens (sorted ids) and the share of output tokens
+    they cover."""
+    counts = Counter(t for r in rows for t in r.ids[r.start :])
+    top = [t for t, _ in counts.most_common(size)]
+    covered = sum(counts[t] for t in top) / max(1, sum(counts.values()))
+    return torch.tensor(sorted(top)), covered
+
+
+def batches(rows: list[Row], tokens: int, seed: int) -> list[list[Row]]:
+    """Rows grouped by length, at most ``tokens`` (padded) tokens a batch, in shuffled order."""
+    order = sorted(rows, key=lambda r: len(r.ids))
+    out: list[list[Row]] = []
+    cur: list[Row] = []
+    for r in order:
+        if cur and (len(cur) + 1) * len(r.ids) > tokens:
+            out.append(cur)
+            cur = []
+        cur.append(r)
+    if cur:
+        out.append(cur)
+    random.Random(seed).shuffle(out)
+    return out
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] long, zero-padded
+    feats: torch.Tensor  # [B, S, taps * H] the target's tapped features
+    target_logits: torch.Tensor  # [B, S, draft_vocab] the target's logits over the draft vocab
+    predict: torch.Tensor  # [B, S] bool: position q's next token is a learned output token
+
+
+@torch.no_grad()  # not inference_mode: the head's autograd reads these tensors
+def target_batch(
+    runner: ModelRunner, rows: list[Row], draft_ids: torch.Tensor, t2d: torch.Tensor
+) -> Batch:
+    """One forward of the target over ``rows`` (slots 0..B-1, nothing committed)."""
+    B, S = len(rows), max(len(r.ids) for r in rows)
+    dev = runner.device
+    h = runner.forward([r.ids for r in rows], list(range(B)), logits="hidden")  # [B, S, H]
+    assert runner.tapped is not None
+    feats = runner.tapped.clone()
+    w = runner.lm_head.weight[draft_ids.to(dev)]  # [draft_vocab, H]
+    target_logits = h @ w.T  # [B, S, draft_vocab]
+    tokens = torch.zeros(B, S, dtype=torch.long)
+    predict = torch.zeros(B, S, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r.ids)] = torch.tensor(r.ids)
+        predict[b, r.start - 1 : len(r.ids) - 1] = True  # position q predicts t_{q+1}
+    flat = h.reshape(B * S, -1)
+    top = torch.cat([runner.logits(c).argmax(-1) for c in flat.split(1024)])  # the target's top
+    predict &= t2d[top.view(B, S).cpu()]
+    return Batch(tokens, feats, target_logits, predict)

@@ -1,0 +1,195 @@
+"""Train the EAGLE-3 head on self-distilled data: ``python -m train fit`` (or
+``specd train-drafter``).
+
+One step: the target (in ``--dtype``) computes the batch's features and its distribution over
+the draft vocabulary (train/batches.py); the head runs ``ttt_steps`` training-time-test steps
+(train/ttt.py) in fp32 (or under bf16 autocast, ``--bf16``), AdamW with warm-up and cosine
+decay. A checkpoint (head, optimizer, position in the data) is written every
+``checkpoint_every`` steps and at the end; a run started again with the same ``--work`` resumes
+from it. The head is written in the EAGLE-3 format to ``--out`` with ``training.json``: data,
+steps, tokens, wall time and the per-step agreement with the target on the ``eval`` split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, save_head
+
+from .batches import Row, batches, draft_vocab, read_rows, target_batch
+from .ttt import TTTForward, ttt_loss
+
+
+def head_for(model, draft_size: int) -> Eagle3Head:
+    """A new head for ``model`` (a transformers Llama): its geometry, its final norm and the LM
+    head rows of the draft vocabulary as the start."""
+    c = model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    cfg = HeadConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None),
+        vocab_size=c.vocab_size,
+        draft_vocab_size=draft_size,
+        target_hidden_size=c.hidden_size,
+        aux_layers=default_aux_layers(c.num_hidden_layers),
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))),
+        max_position_embeddings=c.max_position_embeddings,
+    )
+    return Eagle3Head(cfg)
+
+
+def evaluate(fwd, runner, rows, draft_ids, t2d, steps, tokens, bf16) -> list[float]:
+    """Top-1 agreement with the target per draft step on ``rows`` (no grad)."""
+    hits = [0.0] * steps
+    n = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        for group in batches(rows, tokens, seed=0):
+            b = target_batch(runner, group, draft_ids, t2d)
+            _, _, accs = ttt_loss(fwd(b.feats, b.tokens, steps), b.target_logits, b.predict)
+            w = float(b.predict.sum())
+            hits = [h + a * w for h, a in zip(hits, accs)]
+            n += w
+    return [h / max(n, 1) for h in hits]
+
+
+def run(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from engine.config import DEFAULT_TARGET
+    from engine.loader import load_model
+    from engine.model_runner import ModelRunner
+    from engine.quant import use_native_q4
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    data, work = Path(args.data), Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    train_rows = [r for f in args.train_files.split(",") for r in read_rows(data / f, args.max_len)]
+    eval_rows: list[Row] = []
+    if (data / "eval.jsonl").exists():
+        eval_rows = read_rows(data / "eval.jsonl", args.max_len, args.eval_rows)
+    model, _ = load_model(DEFAULT_TARGET, args.dtype)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    groups = batches(train_rows, args.tokens, seed=args.seed)
+    slots = max(len(g) for g in groups + batches(eval_rows, args.tokens, 0))
+    runner = ModelRunner(model, num_slots=slots, max_len=args.max_len)
+    if args.native_q4:
+        use_native_q4(DEFAULT_TARGET, runner)
+    ids, coverage = draft_vocab(train_rows, args.draft_vocab)
+    head = head_for(model, len(ids))
+    head.set_vocab(ids)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(model.lm_head.weight[ids].float())
+        head.norm.weight.copy_(model.model.norm.weight.float())
+    runner.taps = head.config.aux_layers
+    rotary = LlamaRotaryEmbedding(config=head.config.llama_config())
+    fwd = TTTForward(head, model.model.embed_tokens, rotary)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    total = args.epochs * len(groups)
+    ckpt, step, seconds, seen = work / "checkpoint.pt", 0, 0.0, 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step, seconds, seen = state["step"], state["seconds"], state["tokens"]
+        print(f"resumed at step {step} / {total}")
+
+    def lr_at(i: int) -> float:
+        warm = min(args.warmup, total // 10 + 1)
+        if i < warm:
+            return args.lr * (i + 1) / warm
+        return args.lr * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, total - warm)))
+
+    def save_checkpoint() -> None:
+        state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step}
+        torch.save(state | {"seconds": seconds, "tokens": seen}, work / "checkpoint.tmp")
+        (work / "checkpoint.tmp").replace(ckpt)
+
+    bar = tqdm(total=total, initial=step, desc="train head", unit="step")
+    t_last = time.perf_counter()
+    while step < total:
+        group = groups[step % len(groups)]
+        b = target_batch(runner, group, ids, head.t2d)
+        if args.noise:  # EAGLE's feature noise: uniform, relative to the feature scale
+            b.feats = b.feats + (torch.rand_like(b.feats) - 0.5) * args.noise * b.feats.std()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        with autocast:
+            loss, _, accs = ttt_loss(
+                fwd(b.feats, b.tokens, args.ttt_steps), b.target_logits, b.predict
+            )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
+        opt.step()
+        step += 1
+        seen += int(b.tokens.count_nonzero())
+        now = time.perf_counter()
+        seconds, t_last = seconds + now - t_last, now
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
+        if step % args.checkpoint_every == 0 or step == total:
+            save_checkpoint()
+    bar.close()
+    agreement = evaluate(
+        fwd, runner, eval_rows, ids, head.t2d, args.ttt_steps, args.tokens, args.bf16
+    )
+    out = Path(args.out)
+    save_head(head, out)
+    report = {
+        "data": [str(data / f) for f in args.train_files.split(",")],
+        "train_sequences": len(train_rows),
+        "train_tokens_seen": seen,
+        "steps": step,
+        "epochs": args.epochs,
+        "tokens_per_batch": args.tokens,
+        "ttt_steps": args.ttt_steps,
+        "lr": args.lr,
+        "noise": args.noise,
+        "draft_vocab": len(ids),
+        "draft_vocab_coverage": round(coverage, 4),
+        "wall_seconds": round(seconds, 1),
+        "eval_sequences": len(eval_rows),
+        "eval_top1_agreement_by_step": [round(a, 4) for a in agreement],
+    }
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--data", default=".cache/distill", help="train.jsonl / eval.jsonl folder")
+    ap.add_argument("--train-files", default="train.jsonl", help="comma-separated, in --data")
+    ap.add_argument("--work", default=".cache/train", help="checkpoints (resumable)")
+    ap.add_argument("--out", default="models/smollm2-135m-eagle3")
+    ap.add_argument("--draft-vocab", type=int, default=16384)
+    ap.add_argument("--ttt-steps", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=4096, help="padded tokens per batch")
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--clip", type=float, default=0.5)
+    ap.add_argument("--noise", type=float, default=0.0)
+    ap.add_argument("--eval-rows", type=int, default=200)
+    ap.add_argument("--checkpoint-every", type=int, default=100)
+    # the target's layers 4-bit as served: torch's int4 matmul unpacks weights per 4 rows, slow
+    # on long training rows, so the features come from the same weights dequantized to bf16
+    ap.add_argument("--native-q4", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    # the target's dtype, and bf16 autocast for the head: fast where the CPU has AVX-512 bf16
+    # (or on a GPU); on an AVX2-only CPU bf16 matmuls run ~8x slower than fp32
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--bf16", action="store_true")
