@@ -109,6 +109,20 @@ def engine_for(
     )
 
 
+def greedy_reference(model, tok, ids: list[int], max_tokens: int) -> list[int]:
+    """The target-only greedy continuation of token ids ``ids`` by transformers' own
+    ``generate()`` (the independent reference of the lossless tests), stopping at the EOS."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )
+    return out[0, len(ids) :].tolist()
+
+
 # -- exact target distributions ------------------------------------------------------------------
 def target_probs(model, ids: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
     """The target's processed next-token distribution after ``ids`` (transformers' own forward,

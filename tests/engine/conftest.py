@@ -1,12 +1,11 @@
-"""Tiny random Llama target and draft models built in the test (no download), and an engine over
-them (tests/helpers.py): shared by the worker, fast-path and fault-injection tests."""
+"""Tiny random Llama target and draft models built in the test (no download, tests/helpers.py),
+shared by the worker, fast-path and fault-injection tests (which build their engines over them
+with tests.helpers.engine_for)."""
 
 import pytest
 import torch
 
-from tests.helpers import engine_for, tiny_llama
-
-__all__ = ["engine_for"]
+from tests.helpers import tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from engine.fast_forward import CompileConfig, FastForward, _bucket, attach, default_buckets
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker, NotAcceptingError
-from tests.engine.conftest import engine_for
+from tests.helpers import engine_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 

@@ -27,17 +27,7 @@ def prompts(real_fp32):
 @pytest.fixture(scope="module")
 def reference(real_fp32, prompts):
     model, tok = real_fp32
-    out = []
-    for ids in prompts:
-        g = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.eos_token_id,
-        )
-        out.append(g[0, len(ids) :].tolist())
-    return out
+    return [helpers.greedy_reference(model, tok, ids, MAX_TOKENS) for ids in prompts]
 
 
 def real_engine(real_fp32, method, num_layers=None, dtype=None):

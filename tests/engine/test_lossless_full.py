@@ -8,13 +8,13 @@ drafted, and the KV cache must be empty afterwards.
 """
 
 import pytest
-import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from loadtest.datasets import encode, human_eval, mt_bench
+from tests.helpers import greedy_reference
 
 pytestmark = [pytest.mark.full, pytest.mark.real_model]
 
@@ -39,17 +39,7 @@ def prompt_set(real_fp32):
         if name not in done:
             prompts = PROMPT_SETS[name]()
             encoded = [encode(tok, p) for p in prompts]
-            reference = []
-            for ids in encoded:
-                with torch.inference_mode():
-                    g = model.generate(
-                        torch.tensor([ids]),
-                        max_new_tokens=MAX_TOKENS,
-                        do_sample=False,
-                        eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.eos_token_id,
-                    )
-                reference.append(g[0, len(ids) :].tolist())
+            reference = [greedy_reference(model, tok, ids, MAX_TOKENS) for ids in encoded]
             done[name] = prompts, encoded, reference
         return done[name]
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from tests.engine.conftest import engine_for
+from tests.helpers import engine_for
 
 READS = ["tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"]
 

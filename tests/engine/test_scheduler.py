@@ -3,7 +3,7 @@ requests — one request with many choices never holds the whole engine."""
 
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams, Status
-from tests.engine.conftest import engine_for
+from tests.helpers import engine_for
 
 
 def test_a_request_with_many_choices_leaves_room_for_others(models):

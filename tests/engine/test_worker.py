@@ -12,7 +12,7 @@ import pytest
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFullError
-from tests.engine.conftest import engine_for
+from tests.helpers import engine_for
 
 REQUESTS = [  # (prompt, params, K): different lengths, greedy and seeded sampling, mixed K
     ([1, 2, 3], SamplingParams(temperature=0, max_tokens=20), 3),

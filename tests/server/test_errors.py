@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.worker import EngineWorker, QueueFullError
-from tests.server.conftest import MODEL, idle, make_app, wait_until
+from tests.conftest import MODEL, idle, make_app, wait_until
 from tests.server.test_metrics import scrape, total
 
 pytestmark = pytest.mark.real_model
@@ -217,7 +217,12 @@ def test_body_too_large(api, live):
 
 
 def test_still_serves_after_bad_input(api):
-    """Runs after the bad-input tests above: the same server answers a good request."""
+    """After bad input (sent here: the test does not rely on the bad-input tests above running
+    first) the same server answers a good request."""
+    json_type = {"content-type": "application/json"}
+    for bad in (b"{not json", b"{" * 100000, b'{"model": "\xff\xfe", "prompt": "x"}'):
+        api.post("/v1/completions", content=bad, headers=json_type)  # refused (tests above)
+    api.post("/v1/chat/completions", json={**CHAT, "temperature": 3})
     r = api.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     assert api.get("/ready").json()["status"] == "ready"

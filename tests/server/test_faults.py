@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from server.settings import ServerSettings
-from tests.server.conftest import MODEL, QUIET, idle, make_app, serving, wait_until
+from tests.conftest import MODEL, QUIET, idle, make_app, serving, wait_until
 from tests.server.test_metrics import scrape, total
 
 pytestmark = pytest.mark.real_model

@@ -18,7 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL, make_app
+from tests.conftest import MODEL, make_app
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,23 +232,14 @@ def test_prometheus_rules_and_dashboard_queries_return_data(live):
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_compose_file_is_valid(profile):
     env = dict(os.environ, COMPOSE_PROFILES=profile)
-    r = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-        check=False,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+
+    def compose(*args: str) -> subprocess.CompletedProcess:
+        cmd = ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", *args]
+        return subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
+
+    r = compose("-q")
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(
-        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "--services"],
-        check=False,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    r = compose("--services")
     services = set(r.stdout.split())
     assert {"prometheus", "grafana"} <= services
     assert ("specd" if profile == "gpu" else "specd-cpu") in services

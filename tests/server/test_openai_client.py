@@ -5,7 +5,7 @@ import asyncio
 import openai
 import pytest
 
-from tests.server.conftest import MODEL
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.real_model
 CHAT = [{"role": "user", "content": "List three primary colors, comma separated."}]

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from server import protocol as P
-from tests.server.conftest import MODEL, idle, wait_until
+from tests.conftest import MODEL, idle, wait_until
 
 pytestmark = pytest.mark.real_model
 

@@ -19,22 +19,18 @@ import schemathesis
 # threads could compile code too, and CPython 3.11's AST state is not thread-safe (one suite run
 # failed with "AST constructor recursion depth mismatch").
 import schemathesis.specs.openapi.schemas
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.drafters import NgramDrafter
-from engine.engine import SpecEngine
-from engine.model_runner import ModelRunner
 from engine.worker import EngineWorker
 from server import protocol as P
 from server.app import create_app
 from server.convert import EngineCapacity
 from server.settings import ServerSettings
-from tests.server.conftest import MODEL
+from tests import helpers
+from tests.conftest import MODEL
 
 pytestmark = pytest.mark.real_model  # the real tokenizer
 EXAMPLES = int(os.environ.get("SPECD_SCHEMATHESIS_EXAMPLES", "15"))
@@ -50,21 +46,11 @@ SLOW = settings(
 @pytest.fixture(scope="module")
 def tiny_app(real_fp32):
     tok = real_fp32[1]
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-    )
-    runner = ModelRunner(LlamaForCausalLM(cfg).eval(), num_slots=4, max_len=192)
-    engine = SpecEngine(runner, NgramDrafter("cpu"), eos_token_ids=[tok.eos_token_id])
+    m = helpers.tiny_llama(0, layers=1, vocab=len(tok), hidden=16, heads=2, kv_heads=1)
+    engine = helpers.engine_for(m, "ngram", slots=4, max_len=192, eos=[tok.eos_token_id])
     worker = EngineWorker(engine, max_queued=64)
     worker.start()
-    capacity = EngineCapacity(runner.max_len, engine.vocab_size, "ngram", 8)
+    capacity = EngineCapacity(engine.target.max_len, engine.vocab_size, "ngram", 8)
     yield create_app(worker, tok, MODEL, capacity, ServerSettings(max_choices=8))
     worker.shutdown()
 

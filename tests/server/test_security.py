@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 import server.middleware as middleware_module
 import server.routes as routes_module
 from server.settings import ServerSettings
-from tests.server.conftest import MODEL, QUIET, make_app, serving
+from tests.conftest import MODEL, QUIET, make_app, serving
 from tests.server.test_errors import CHAT, assert_error
 
 pytestmark = pytest.mark.real_model

@@ -23,7 +23,8 @@ def test_ttt_steps_equal_the_inference_chain():
     d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB)
     fwd = TTTForward(head, target.model.embed_tokens, d.rotary)
     with torch.no_grad():
-        train_logits = fwd(feats, torch.tensor([ids]), steps)  # each [1, S, draft_vocab]
+        outs = fwd(feats, torch.tensor([ids]), steps)  # each [1, S, hidden]
+        train_logits = [head.lm_head(o) for o in outs]  # each [1, S, draft_vocab]
     P = 8  # the last real position the drafter takes in
     d.cache.allocate(0)
     d.pending[0], d.pending_n[0], d.real[0] = [feats[0, : P + 1]], P + 1, 0
@@ -45,16 +46,17 @@ def test_ttt_steps_equal_the_inference_chain():
         torch.testing.assert_close(inference, train_logits[j][0, P].float(), atol=1e-4, rtol=1e-4)
 
 
-def test_loss_is_zero_distance_at_the_target():
+def test_loss_is_the_entropy_at_the_target():
     """Soft CE equals the target's entropy (its minimum) when the head's logits are the
-    target's, and agreement is 1."""
+    target's (an identity LM head over outputs that are the target's logits), and top-1
+    agreement is 1; masked positions do not count."""
     tl = torch.randn(2, 6, 5)
     predict = torch.ones(2, 6, dtype=torch.bool)
-    same = [tl[:, 1:].clone(), tl[:, 2:].clone()]
-    same = [torch.nn.functional.pad(x, (0, 0, 0, k + 1)) for k, x in enumerate(same)]
-    _, ces, accs = ttt_loss(same, tl, predict)
+    predict[1, 4] = False
+    outs = [torch.nn.functional.pad(tl[:, 1 + j :], (0, 0, 0, 1 + j)) for j in range(2)]
+    _, ces, accs = ttt_loss(torch.nn.Identity(), outs, tl, predict)
     for j, ce in enumerate(ces):
-        p = tl[:, 1 + j :].softmax(-1)
+        p = tl[:, 1 + j :].softmax(-1)[predict[:, 1 + j :]]
         entropy = float(-(p * p.log()).sum(-1).mean())
         assert abs(ce - entropy) < 1e-5
     assert accs == [1.0, 1.0]

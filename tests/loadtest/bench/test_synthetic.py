@@ -4,11 +4,10 @@ drafted token with probability α, and an engine that uses it is refused by the 
 import pytest
 import torch
 
-from engine.engine import SpecEngine
-from engine.model_runner import ModelRunner
 from engine.rejection import rejection_sample
 from engine.worker import EngineWorker
 from loadtest.bench.synthetic import bound, synthetic_accept
+from tests.helpers import engine_for
 
 
 def test_accepts_leading_drafts_at_rate_alpha():
@@ -33,7 +32,7 @@ def test_bound():
 
 
 def test_worker_refuses_an_engine_with_synthetic_acceptance(tiny_llama):
-    engine = SpecEngine(ModelRunner(tiny_llama, 1, 64), None, eos_token_ids=[])
+    engine = engine_for(tiny_llama, None, slots=1, max_len=64)
     EngineWorker(engine)  # the exact rule is served
     engine.accept = synthetic_accept(0.9, torch.Generator())  # what the benchmark does
     with pytest.raises(ValueError, match="refusing to serve"):
