@@ -55,7 +55,8 @@ def evaluate(fwd, runner, rows, draft_ids, t2d, steps, tokens, bf16) -> list[flo
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         for group in batches(rows, tokens, seed=0):
             b = target_batch(runner, group, draft_ids, t2d)
-            _, _, accs = ttt_loss(fwd(b.feats, b.tokens, steps), b.target_logits, b.predict)
+            outs = fwd(b.feats, b.tokens, steps)
+            _, _, accs = ttt_loss(fwd.head.lm_head, outs, b.target_logits, b.predict)
             w = float(b.predict.sum())
             hits = [h + a * w for h, a in zip(hits, accs)]
             n += w
@@ -78,8 +79,8 @@ def run(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     train_rows = [r for f in args.train_files.split(",") for r in read_rows(data / f, args.max_len)]
     eval_rows: list[Row] = []
-    if (data / "eval.jsonl").exists():
-        eval_rows = read_rows(data / "eval.jsonl", args.max_len, args.eval_rows)
+    if (data / args.eval_file).exists():
+        eval_rows = read_rows(data / args.eval_file, args.max_len, args.eval_rows)
     model, _ = load_model(DEFAULT_TARGET, args.dtype)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
     groups = batches(train_rows, args.tokens, seed=args.seed)
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> None:
     fwd = TTTForward(head, model.model.embed_tokens, rotary)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     total = args.epochs * len(groups)
+    if args.max_steps:
+        total = min(total, args.max_steps)
     ckpt, step, seconds, seen = work / "checkpoint.pt", 0, 0.0, 0
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
@@ -127,9 +130,8 @@ def run(args: argparse.Namespace) -> None:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with autocast:
-            loss, _, accs = ttt_loss(
-                fwd(b.feats, b.tokens, args.ttt_steps), b.target_logits, b.predict
-            )
+            outs = fwd(b.feats, b.tokens, args.ttt_steps)
+            loss, _, accs = ttt_loss(head.lm_head, outs, b.target_logits, b.predict)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> None:
         "train_sequences": len(train_rows),
         "train_tokens_seen": seen,
         "steps": step,
-        "epochs": args.epochs,
+        "epochs": round(step / len(groups), 3),
         "tokens_per_batch": args.tokens,
         "ttt_steps": args.ttt_steps,
         "lr": args.lr,
@@ -161,6 +163,7 @@ def run(args: argparse.Namespace) -> None:
         "draft_vocab": len(ids),
         "draft_vocab_coverage": round(coverage, 4),
         "wall_seconds": round(seconds, 1),
+        "eval_data": str(data / args.eval_file),
         "eval_sequences": len(eval_rows),
         "eval_top1_agreement_by_step": [round(a, 4) for a in agreement],
     }
@@ -171,11 +174,13 @@ def run(args: argparse.Namespace) -> None:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", default=".cache/distill", help="train.jsonl / eval.jsonl folder")
     ap.add_argument("--train-files", default="train.jsonl", help="comma-separated, in --data")
+    ap.add_argument("--eval-file", default="eval.jsonl", help="in --data: the e bucket's rows")
     ap.add_argument("--work", default=".cache/train", help="checkpoints (resumable)")
     ap.add_argument("--out", default="models/smollm2-135m-eagle3")
     ap.add_argument("--draft-vocab", type=int, default=16384)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--max-steps", type=int, default=0, help="stop after this many (0: epochs)")
     ap.add_argument("--tokens", type=int, default=4096, help="padded tokens per batch")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=5e-4)

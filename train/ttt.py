@@ -66,7 +66,7 @@ class TTTForward:
         keys0 = vals0 = None
         chain_k: list[torch.Tensor] = []  # steps >= 1: keys / values at each index [B, kvh, S, hd]
         chain_v: list[torch.Tensor] = []
-        logits = []
+        outs = []
         for j in range(steps):
             ids = F.pad(tokens[:, 1 + j :], (0, 1 + j))  # t_{p+1+j}, zero past the end
             x = torch.cat(
@@ -93,8 +93,8 @@ class TTTForward:
             y = rms_norm(h, m.post_attention_layernorm.weight, self.eps)
             mlp = m.mlp
             h = h + mlp.down_proj(F.silu(mlp.gate_proj(y)) * mlp.up_proj(y))  # o^j [B, S, H]
-            logits.append(head.lm_head(rms_norm(h, head.norm.weight, self.eps)))
-        return logits
+            outs.append(rms_norm(h, head.norm.weight, self.eps))
+        return outs
 
     def _attend(self, q, keys0, vals0, chain_k, chain_v, causal) -> torch.Tensor:
         """Softmax over [step-0 keys of positions <= p, the chain's keys at index p]."""
@@ -114,29 +114,32 @@ class TTTForward:
 
 
 def ttt_loss(
-    logits: list[torch.Tensor],
+    lm_head: torch.nn.Module,
+    outs: list[torch.Tensor],
     target_logits: torch.Tensor,
     predict: torch.Tensor,
     decay: float = 0.8,
 ) -> tuple[torch.Tensor, list[float], list[float]]:
-    """EAGLE-3's loss. ``target_logits`` ``[B, S, draft_vocab]``: the target's logits at each
-    position over the draft vocabulary (position q predicts t_{q+1}); ``predict`` ``[B, S]``
-    bool: t_{q+1} is an output token worth learning (an assistant token, and the target's top
-    token is in the draft vocabulary). Returns (loss, per-step soft CE, per-step top-1
+    """EAGLE-3's loss over the step outputs ``outs`` of :class:`TTTForward`. ``target_logits``
+    ``[B, S, draft_vocab]``: the target's logits at each position over the draft vocabulary
+    (position q predicts t_{q+1}); ``predict`` ``[B, S]`` bool: t_{q+1} is an output token worth
+    learning (an assistant token, and the target's top token is in the draft vocabulary). The
+    LM head runs only where the loss counts. Returns (loss, per-step soft CE, per-step top-1
     agreement with the target)."""
-    total = logits[0].new_zeros((), dtype=torch.float32)
+    total = outs[0].new_zeros((), dtype=torch.float32)
     ces, accs = [], []
     S = target_logits.shape[1]
-    for j, lg in enumerate(logits):
+    target_p = target_logits.float().softmax(-1)  # [B, S, Vd], shared by every step
+    for j, out in enumerate(outs):
         # index p of step j guesses t_{p+2+j}: the target's distribution at position p + 1 + j
         shift = 1 + j
-        tgt = target_logits[:, shift:].float()  # [B, S - shift, Vd]
         mask = predict[:, shift:]  # [B, S - shift]
-        pred = lg[:, : S - shift].float()
-        n = mask.sum().clamp(min=1)
-        ce = -(tgt.softmax(-1) * pred.log_softmax(-1)).sum(-1)
-        ce = (ce * mask).sum() / n
-        acc = ((pred.argmax(-1) == tgt.argmax(-1)) & mask).sum() / n
+        if not bool(mask.any()):
+            continue
+        pred = lm_head(out[:, : S - shift][mask]).float()  # [N, Vd]
+        tgt = target_p[:, shift:][mask]  # [N, Vd]
+        ce = -(tgt * pred.log_softmax(-1)).sum(-1).mean()
+        acc = (pred.argmax(-1) == tgt.argmax(-1)).float().mean()
         total = total + decay**j * ce
         ces.append(float(ce.detach()))
         accs.append(float(acc))
