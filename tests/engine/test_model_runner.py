@@ -56,6 +56,30 @@ def test_non_contiguous_slots_and_device_tensor_input(tiny_llama):
     assert torch.allclose(out[1, :2], hf_logits(tiny_llama, [6, 7]), atol=1e-5)
 
 
+def test_rows_in_a_span_of_slots_leave_the_idle_slots_exact(tiny_llama):
+    """Rows in slots 4, 0, 1 run as the span 0..4 (slots 2 and 3 idle rows); slots 0 and 4 as
+    a span of 5 for 2 rows gather their keys instead. Both match transformers, and slot 2's
+    committed cache (a sequence prefilling, say) is left exact."""
+    r = ModelRunner(tiny_llama, num_slots=5, max_len=32)
+    for _ in range(5):
+        r.cache.allocate()
+    held = [11, 12, 13, 14]
+    r.forward([held], [2])
+    r.cache.commit(2, len(held))
+    before = [(k[2, :, :4].clone(), v[2, :, :4].clone()) for k, v in zip(r.cache.k, r.cache.v)]
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    out = r.forward(prompts, [4, 0, 1], logits="all")  # span path
+    for b, ids in enumerate(prompts):
+        assert torch.allclose(out[b, : len(ids)], hf_logits(tiny_llama, ids), atol=1e-5)
+    for (k0, v0), k, v in zip(before, r.cache.k, r.cache.v):
+        assert torch.equal(k[2, :, :4], k0) and torch.equal(v[2, :, :4], v0)
+    cont = r.forward([[15, 16]], [2], logits="all")[0]
+    assert torch.allclose(cont, hf_logits(tiny_llama, held + [15, 16])[4:], atol=1e-5)
+    out = r.forward([[20, 21], [22]], [0, 4], logits="all")  # span 5 > 2 rows x 2: gathered
+    assert torch.allclose(out[0], hf_logits(tiny_llama, [20, 21]), atol=1e-5)
+    assert torch.allclose(out[1, :1], hf_logits(tiny_llama, [22]), atol=1e-5)
+
+
 def test_first_layers_only(tiny_llama):
     r = ModelRunner(tiny_llama, num_slots=1, max_len=32, num_layers=1)
     assert len(r.weights) == 1 and r.cache.k.shape[0] == 1
