@@ -5,6 +5,8 @@ specd serve    [--config FILE] [--host H] [--port P] [--dtype D] [--device D] [-
 specd prepare  [--config FILE]            convert the configured model(s) once (GGUF -> safetensors)
 specd generate [--config FILE] PROMPT...  run the engine directly on chat prompts and print the
                                           output with speculation stats
+specd train-drafter [--config FILE] [--only distill|fit]
+               train the EAGLE-3 head (train/pipeline.py; default configs/train/smollm2-eagle3.yaml)
 """
 
 from __future__ import annotations
@@ -139,7 +141,15 @@ def main(argv: list[str] | None = None) -> int:
                 "K controller, adaptive)",
             )
             p.add_argument("--drafter", choices=["ngram", "self", "layers", "none"])
+    from train.pipeline import add_arguments as train_arguments
+
+    train_arguments(sub.add_parser("train-drafter", help="train the EAGLE-3 head"))
     args = ap.parse_args(argv)
+    if args.cmd == "train-drafter":
+        from train.pipeline import run
+
+        run(args)
+        return 0
     return {"serve": cmd_serve, "prepare": cmd_prepare, "generate": cmd_generate}[args.cmd](args)
 
 

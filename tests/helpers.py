@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from engine.drafters import ModelDrafter, NgramDrafter
+from engine.drafters.eagle import EagleDrafter
 from engine.engine import SpecEngine
 from engine.model_runner import ModelRunner
 from engine.sampling import logits_to_probs
@@ -64,13 +65,15 @@ def engine_for(
     max_prefill: int = 4,
     num_layers: int | None = None,
     draft_dtype: torch.dtype | None = None,
+    head=None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built as engine/builder.py builds one.
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
     e.g. a bf16 draft of an fp32 target), ``"layers"`` (the target's first ``num_layers``
-    layers), ``"ngram"``, or None / ``"none"`` (plain decoding)."""
+    layers), ``"eagle3"`` (the EAGLE-3 ``head`` over the target's features), ``"ngram"``, or
+    None / ``"none"`` (plain decoding)."""
     target, draft = models if isinstance(models, tuple | list) else (models, None)
     runner = ModelRunner(target, num_slots=slots, max_len=max_len)
     vocab = runner.vocab_size
@@ -78,6 +81,10 @@ def engine_for(
         d = None
     elif drafter == "ngram":
         d = NgramDrafter(runner.device)
+    elif drafter == "eagle3":
+        if head is None:
+            raise ValueError("drafter 'eagle3' needs a head")
+        d = EagleDrafter(head, target.model.embed_tokens, slots, runner.max_len, vocab)
     elif drafter in ("model", "self", "layers"):
         if drafter == "model":
             if draft is None:

@@ -1,21 +1,25 @@
-"""``python -m train distill|fit ...``: the drafter's training pipeline."""
+"""``python -m train run|distill|fit|original ...``: the drafter's training pipeline
+(``run``: the whole recipe from a config, as ``specd train-drafter``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import distill, fit, original
+from . import distill, fit, original, pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m train")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    pipeline.add_arguments(sub.add_parser("run", help="the whole recipe from a config"))
     distill.add_arguments(sub.add_parser("distill", help="self-distillation data"))
     fit.add_arguments(sub.add_parser("fit", help="train the EAGLE-3 head"))
     original.add_arguments(sub.add_parser("original", help="ShareGPT's own answers (ablation)"))
     args = ap.parse_args(argv)
-    if args.cmd == "distill":
+    if args.cmd == "run":
+        pipeline.run(args)
+    elif args.cmd == "distill":
         distill.run(args)
     elif args.cmd == "fit":
         fit.run(args)

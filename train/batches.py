@@ -52,6 +52,13 @@ def draft_vocab(rows: list[Row], size: int) -> tuple[torch.Tensor, float]:
     return torch.tensor(sorted(top)), covered
 
 
+def draft_coverage(rows: list[Row], ids: torch.Tensor) -> float:
+    """The share of the rows' output tokens inside the draft vocabulary ``ids``."""
+    counts = Counter(t for r in rows for t in r.ids[r.start :])
+    inside = set(ids.tolist())
+    return sum(c for t, c in counts.items() if t in inside) / max(1, sum(counts.values()))
+
+
 def batches(rows: list[Row], tokens: int, seed: int) -> list[list[Row]]:
     """Rows grouped by length, at most ``tokens`` (padded) tokens a batch, in shuffled order."""
     order = sorted(rows, key=lambda r: len(r.ids))

@@ -26,6 +26,16 @@ def _sampled(conv_id: str) -> bool:
     return hashlib.sha256(("distill:" + conv_id).encode()).digest()[0] % 2 == 1
 
 
+def by_length_windows(items: list, window: int) -> list:
+    """``items`` (``(id, ids, ...)``) sorted by prompt length within consecutive windows of
+    ``window``: the rows decoded together have similar lengths (attention reads every row's
+    keys up to the longest row's), while the order over the file is kept."""
+    out = []
+    for i in range(0, len(items), window):
+        out += sorted(items[i : i + window], key=lambda item: len(item[1]))
+    return out
+
+
 def load_done(path: Path) -> set[str]:
     if not path.exists():
         return set()
@@ -76,13 +86,17 @@ def run(args: argparse.Namespace) -> None:
             todo.append((conv_id, ids, _sampled(conv_id)))
         if args.limit and len(todo) + len(done) >= args.limit:
             break
+    todo = deque(by_length_windows(list(todo), 8 * args.batch))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     tokens, seconds = stats.get("output_tokens", 0), stats.get("seconds", 0.0)
     inflight: dict[str, tuple[str, list[int], float]] = {}
     bar = tqdm(total=len(todo), desc=f"distill {args.split}", unit="conv")
-    t_last = time.perf_counter()
+    t_last = t_start = time.perf_counter()
+    deadline = t_start + args.minutes * 60 if args.minutes else float("inf")
     with open(path, "a") as f:
         while todo or engine.has_work():
+            if time.perf_counter() > deadline:  # unfinished answers are redone on resume
+                break
             while todo and len(inflight) < 2 * args.batch:
                 conv_id, ids, sampled = todo.popleft()
                 temp = args.temperature if sampled else 0.0
@@ -119,6 +133,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--split", default="train", choices=["train", "eval"])
     ap.add_argument("--out", default=".cache/distill")
     ap.add_argument("--limit", type=int, default=0, help="stop after this many conversations")
+    ap.add_argument("--minutes", type=float, default=0, help="stop after this long (0: no limit)")
     ap.add_argument("--batch", type=int, default=32, help="sequences decoded together")
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=384)

@@ -22,7 +22,7 @@ import torch
 
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, save_head
 
-from .batches import Row, batches, draft_vocab, read_rows, target_batch
+from .batches import Row, batches, draft_coverage, draft_vocab, read_rows, target_batch
 from .ttt import TTTForward, ttt_loss
 
 
@@ -88,12 +88,24 @@ def run(args: argparse.Namespace) -> None:
     runner = ModelRunner(model, num_slots=slots, max_len=args.max_len)
     if args.native_q4:
         use_native_q4(DEFAULT_TARGET, runner)
-    ids, coverage = draft_vocab(train_rows, args.draft_vocab)
-    head = head_for(model, len(ids))
-    head.set_vocab(ids)
-    with torch.no_grad():
-        head.lm_head.weight.copy_(model.lm_head.weight[ids].float())
-        head.norm.weight.copy_(model.model.norm.weight.float())
+    if args.init:  # warm start from a head already trained (its vocabulary kept)
+        from engine.eagle_head import load_head
+
+        head = load_head(args.init, model.config.num_hidden_layers)
+        ids = head.draft_to_target
+        coverage = draft_coverage(train_rows, ids)
+    else:
+        vocab_rows = train_rows
+        if args.vocab_from:  # the target's own answers: the tokens it will be asked to draft
+            vocab_rows = [
+                r for f in args.vocab_from.split(",") for r in read_rows(data / f, args.max_len)
+            ]
+        ids, coverage = draft_vocab(vocab_rows, args.draft_vocab)
+        head = head_for(model, len(ids))
+        head.set_vocab(ids)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(model.lm_head.weight[ids].float())
+            head.norm.weight.copy_(model.model.norm.weight.float())
     runner.taps = head.config.aux_layers
     rotary = LlamaRotaryEmbedding(config=head.config.llama_config())
     fwd = TTTForward(head, model.model.embed_tokens, rotary)
@@ -107,7 +119,9 @@ def run(args: argparse.Namespace) -> None:
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, seconds, seen = state["step"], state["seconds"], state["tokens"]
+        total = state.get("total", total)
         print(f"resumed at step {step} / {total}")
+    timed = step >= 3  # the schedule's length is fixed (by --minutes) after 3 timed steps
 
     def lr_at(i: int) -> float:
         warm = min(args.warmup, total // 10 + 1)
@@ -116,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
         return args.lr * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, total - warm)))
 
     def save_checkpoint() -> None:
-        state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step}
+        state = {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "total": total}
         torch.save(state | {"seconds": seconds, "tokens": seen}, work / "checkpoint.tmp")
         (work / "checkpoint.tmp").replace(ckpt)
 
@@ -140,6 +154,9 @@ def run(args: argparse.Namespace) -> None:
         seen += int(b.tokens.count_nonzero())
         now = time.perf_counter()
         seconds, t_last = seconds + now - t_last, now
+        if args.minutes and not timed and step == 3:  # fit the schedule to the time given
+            total = max(step + 1, min(total, int(args.minutes * 60 / (seconds / step))))
+            bar.total, timed = total, True
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
         if step % args.checkpoint_every == 0 or step == total:
@@ -159,8 +176,10 @@ def run(args: argparse.Namespace) -> None:
         "tokens_per_batch": args.tokens,
         "ttt_steps": args.ttt_steps,
         "lr": args.lr,
+        "init": args.init,
         "noise": args.noise,
         "draft_vocab": len(ids),
+        "draft_vocab_from": args.vocab_from or args.train_files,
         "draft_vocab_coverage": round(coverage, 4),
         "wall_seconds": round(seconds, 1),
         "eval_data": str(data / args.eval_file),
@@ -178,9 +197,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work", default=".cache/train", help="checkpoints (resumable)")
     ap.add_argument("--out", default="models/smollm2-135m-eagle3")
     ap.add_argument("--draft-vocab", type=int, default=16384)
+    ap.add_argument(
+        "--vocab-from",
+        default=None,
+        help="files (in --data) the draft vocabulary is counted on (default: the training files)",
+    )
+    ap.add_argument("--init", default=None, help="warm start from this head folder")
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many (0: epochs)")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=0,
+        help="at most this long: the schedule's "
+        "steps are set from the first 3 steps' time (0: no limit)",
+    )
     ap.add_argument("--tokens", type=int, default=4096, help="padded tokens per batch")
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=5e-4)

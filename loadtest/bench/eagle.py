@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--humaneval", type=int, default=8)
     ap.add_argument("--sharegpt", type=int, default=16, help="ShareGPT e-bucket prompts")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default=None, help="override the config's (acceptance barely moves)")
+    ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--json", default="loadtest/results/bench_eagle.json")
     args = ap.parse_args(argv)
     import yaml
@@ -100,10 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     raw = yaml.safe_load(Path(args.config).read_text())["engine"]
     raw["drafter"] = {"method": "eagle3", "source": args.head, "controller": "fixed", "k_max": 7}
     raw["compile"] = {"enabled": False}
+    raw["max_running"] = args.slots
+    if args.dtype:
+        raw["model"] = raw["model"] | {"dtype": args.dtype, "native_q4": False}
     built = build_engine(EngineConfig.from_dict(raw))
     engine, tok = built.engine, built.tokenizer
-    prompts = prompt_sets(args.per_category, args.humaneval, args.sharegpt)
-    ids = [encode(tok, p) for p in prompts]
+    room = engine.target.max_len - args.max_tokens - 1  # prompts that fit with their answer
+    pairs = [
+        (p, encode(tok, p))
+        for p in prompt_sets(args.per_category, args.humaneval, 4 * args.sharegpt)
+    ]
+    pairs = [(p, i) for p, i in pairs if len(i) <= room]
+    shared = [x for x in pairs if x[0].category == "sharegpt-e"][: args.sharegpt]
+    pairs = [x for x in pairs if x[0].category != "sharegpt-e"] + shared
+    prompts, ids = [p for p, _ in pairs], [i for _, i in pairs]
     cost = draft_step_fraction(engine)
     cost["fraction"] = cost["draft_step_ms"] / cost["target_step_ms"]
     print(

@@ -167,9 +167,6 @@ def main(argv=None):
     policies["adaptive"] = lambda: AdaptiveK(
         args.k_max, steps_per_width=lambda w: 1 if w else 0, cost=_copy(cost0)
     )
-    policies["adaptive-geo"] = lambda: AdaptiveK(
-        args.k_max, steps_per_width=lambda w: 1 if w else 0, cost=_copy(cost0), positional=False
-    )
     totals = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0]))
     for p, o, tr in zip(prompts, outs, traces):
         for name, make in policies.items():
@@ -195,7 +192,7 @@ def main(argv=None):
             + "".join(f"{tps(name, g):7.1f} ({per_pass(name, g):.2f})".rjust(13) for g in groups)
         )
     best = max((n for n in policies if n.startswith("K=")), key=lambda n: tps(n, "ALL"))
-    for name in ("heuristic", "adaptive", "adaptive-geo"):
+    for name in ("heuristic", "adaptive"):
         print(
             f"{name} / best fixed ({best}): "
             + ", ".join(f"{g}: {tps(name, g) / tps(best, g):.3f}" for g in groups)

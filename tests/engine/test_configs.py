@@ -71,3 +71,24 @@ def test_sampled_request_through_the_compiled_4bit_path(built, prompt, plain):
     assert s.output_ids == plain
     assert s.drafted > 0 and s.accepted > 0
     assert e.target.cache.used_tokens() == 0
+
+
+def test_cpu_eagle_config_builds_and_speculates_exactly():
+    """configs/cpu-eagle.yaml built for real: the shipped EAGLE-3 head over the 4-bit target
+    (bf16); greedy output with K = 3 equals the target decoding alone."""
+    from engine.drafters.eagle import EagleDrafter
+
+    path = CONFIG.parent / "cpu-eagle.yaml"
+    b = build_engine(EngineConfig.from_dict(yaml.safe_load(path.read_text())["engine"]))
+    e = b.engine
+    assert isinstance(e.drafter, EagleDrafter) and e.controller.name == "adaptive"
+    assert e.drafter.taps == (2, 15, 27) and e.target.taps == (2, 15, 27)
+    ids = b.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three primary colors."}], add_generation_prompt=True
+    )
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    plain = e.generate([ids], greedy, SpecParams(enabled=False))[0].output_ids
+    spec = e.generate([ids], greedy, SpecParams(k=3))[0]
+    assert spec.output_ids == plain
+    assert spec.drafted > 0 and e.drafter_failures == 0

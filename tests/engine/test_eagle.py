@@ -65,10 +65,8 @@ def echo_head(target, draft_vocab: int = 12) -> Eagle3Head:
 
 
 def eagle_engine(target, head, slots=4, k=None, max_len=256) -> SpecEngine:
-    runner = ModelRunner(target, num_slots=slots, max_len=max_len)
-    d = EagleDrafter(head, target.model.embed_tokens, slots, runner.max_len, runner.vocab_size)
     ctl = FixedK(k) if k is not None else None
-    return SpecEngine(runner, d, eos_token_ids=[], controller=ctl, k_max=8)
+    return helpers.engine_for(target, "eagle3", slots, max_len=max_len, controller=ctl, head=head)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,19 @@ def reference(real_fp32, prompts):
     return [helpers.greedy_reference(model, tok, ids, MAX_TOKENS) for ids in prompts]
 
 
-def real_engine(real_fp32, method, num_layers=None, dtype=None):
+HEAD = "models/smollm2-135m-eagle3"  # the EAGLE-3 head this project trains and ships
+
+
+@pytest.fixture(scope="module")
+def head(real_fp32):
+    """The shipped EAGLE-3 head, in fp32 like the target of these tests."""
+    from engine.builder import head_folder
+    from engine.eagle_head import load_head
+
+    return load_head(head_folder(HEAD), len(real_fp32[0].model.layers))
+
+
+def real_engine(real_fp32, method, num_layers=None, dtype=None, head=None):
     """An engine over the real model (fp32 target), 8 slots (tests/helpers.py)."""
     return helpers.engine_for(
         real_fp32[0],
@@ -39,6 +51,7 @@ def real_engine(real_fp32, method, num_layers=None, dtype=None):
         max_len=1024,
         num_layers=num_layers,
         draft_dtype=getattr(torch, dtype) if dtype else None,
+        head=head,
     )
 
 
@@ -59,6 +72,28 @@ def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
     seqs = run_each(real_engine(real_fp32, "ngram"), prompts, k=5)
     assert_same(seqs, reference)
     assert sum(s.accepted for s in seqs) > 0 and sum(s.drafted for s in seqs) > 0
+
+
+def test_eagle_head_is_lossless_and_accepts(real_fp32, prompts, reference, head):
+    """The shipped head, batch 1 at K = 4, then all prompts as one ragged batch at K = 3."""
+    seqs = run_each(real_engine(real_fp32, "eagle3", head=head), prompts, k=4)
+    assert_same(seqs, reference)
+    drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
+    # a trained head: drafts right well beyond chance (an untrained one: ~1 in 8192), not all
+    assert 0.04 * drafted < accepted < drafted
+    engine = real_engine(real_fp32, "eagle3", head=head)
+    assert_same(engine.generate(prompts, GREEDY, SpecParams(k=3)), reference)
+    assert engine.drafter_failures == 0
+    assert engine.target.cache.used_tokens() == 0 and engine.drafter.cache.used_tokens() == 0
+
+
+def test_eagle_head_under_adaptive_k_is_lossless(real_fp32, prompts, reference, head):
+    """The default controller (measured costs of this machine, the head's draft step priced
+    live), batched: exact whatever K it picks."""
+    engine = real_engine(real_fp32, "eagle3", head=head)
+    seqs = engine.generate(prompts, GREEDY, SpecParams())
+    assert_same(seqs, reference)
+    assert engine.controller.calibrated and engine.drafter_failures == 0
 
 
 def test_self_draft_accepts_everything(real_fp32, prompts, reference):
