@@ -71,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    Path(args.out).write_text(
-        "# python -m loadtest.bench.fairness --config " + args.config + "\n" + text + "\n"
-    )
+    cmd = f"python -m loadtest.bench.fairness --config {args.config} --big-tokens {args.big_tokens}"
+    Path(args.out).write_text(f"# {cmd}\n{text}\n")
     return 0
 
 
