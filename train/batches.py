@@ -43,20 +43,25 @@ def read_rows(path: Path, max_len: int, limit: int = 0) -> list[Row]:
     return rows
 
 
+def _output_counts(rows: list[Row]) -> Counter[int]:
+    return Counter(t for r in rows for t in r.ids[r.start :])
+
+
+def _share(counts: Counter[int], inside: set[int]) -> float:
+    return sum(c for t, c in counts.items() if t in inside) / max(1, sum(counts.values()))
+
+
 def draft_vocab(rows: list[Row], size: int) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent output tokens (sorted ids) and the share of output tokens
     they cover."""
-    counts = Counter(t for r in rows for t in r.ids[r.start :])
+    counts = _output_counts(rows)
     top = [t for t, _ in counts.most_common(size)]
-    covered = sum(counts[t] for t in top) / max(1, sum(counts.values()))
-    return torch.tensor(sorted(top)), covered
+    return torch.tensor(sorted(top)), _share(counts, set(top))
 
 
 def draft_coverage(rows: list[Row], ids: torch.Tensor) -> float:
     """The share of the rows' output tokens inside the draft vocabulary ``ids``."""
-    counts = Counter(t for r in rows for t in r.ids[r.start :])
-    inside = set(ids.tolist())
-    return sum(c for t, c in counts.items() if t in inside) / max(1, sum(counts.values()))
+    return _share(_output_counts(rows), set(ids.tolist()))
 
 
 def batches(rows: list[Row], tokens: int, seed: int) -> list[list[Row]]:

@@ -77,16 +77,16 @@ def run(args: argparse.Namespace) -> None:
         built.engine.warm_up()
     engine, tok = built.engine, cast(Any, built.tokenizer)
     done = load_done(path)
-    todo: deque[tuple[str, list[int], bool]] = deque()
+    found: list[tuple[str, list[int], bool]] = []
     for conv_id, text in first_turns(args.split):
         if conv_id in done:
             continue
         ids = encode(tok, Prompt(conv_id, "sharegpt", "chat", text))
         if len(ids) <= args.max_prompt:
-            todo.append((conv_id, ids, _sampled(conv_id)))
-        if args.limit and len(todo) + len(done) >= args.limit:
+            found.append((conv_id, ids, _sampled(conv_id)))
+        if args.limit and len(found) + len(done) >= args.limit:
             break
-    todo = deque(by_length_windows(list(todo), 8 * args.batch))
+    todo = deque(by_length_windows(found, 8 * args.batch))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     tokens, seconds = stats.get("output_tokens", 0), stats.get("seconds", 0.0)
     inflight: dict[str, tuple[str, list[int], float]] = {}

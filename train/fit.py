@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     data, work = Path(args.data), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    train_rows = [r for f in args.train_files.split(",") for r in read_rows(data / f, args.max_len)]
+    rows_of = {f: read_rows(data / f, args.max_len) for f in args.train_files.split(",")}
+    train_rows = [r for rows in rows_of.values() for r in rows]
     eval_rows: list[Row] = []
     if (data / args.eval_file).exists():
         eval_rows = read_rows(data / args.eval_file, args.max_len, args.eval_rows)
@@ -98,7 +99,9 @@ def run(args: argparse.Namespace) -> None:
         vocab_rows = train_rows
         if args.vocab_from:  # the target's own answers: the tokens it will be asked to draft
             vocab_rows = [
-                r for f in args.vocab_from.split(",") for r in read_rows(data / f, args.max_len)
+                r
+                for f in args.vocab_from.split(",")
+                for r in (rows_of[f] if f in rows_of else read_rows(data / f, args.max_len))
             ]
         ids, coverage = draft_vocab(vocab_rows, args.draft_vocab)
         head = head_for(model, len(ids))
@@ -121,7 +124,6 @@ def run(args: argparse.Namespace) -> None:
         step, seconds, seen = state["step"], state["seconds"], state["tokens"]
         total = state.get("total", total)
         print(f"resumed at step {step} / {total}")
-    timed = step >= 3  # the schedule's length is fixed (by --minutes) after 3 timed steps
 
     def lr_at(i: int) -> float:
         warm = min(args.warmup, total // 10 + 1)
@@ -154,9 +156,9 @@ def run(args: argparse.Namespace) -> None:
         seen += int(b.tokens.count_nonzero())
         now = time.perf_counter()
         seconds, t_last = seconds + now - t_last, now
-        if args.minutes and not timed and step == 3:  # fit the schedule to the time given
+        if args.minutes and step == 3:  # the schedule's length, from 3 timed steps (kept on resume)
             total = max(step + 1, min(total, int(args.minutes * 60 / (seconds / step))))
-            bar.total, timed = total, True
+            bar.total = total
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
         if step % args.checkpoint_every == 0 or step == total:
