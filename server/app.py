@@ -9,6 +9,7 @@ origins are configured), the API key guard and request counts, body limits
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from fastapi import FastAPI
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.worker import EngineWorker
 
 from . import protocol as P
-from .convert import EngineCapacity
+from .convert import EngineCapacity, check_model
 from .errors import NOT_READY, APIError, error_response, install_handlers
 from .metrics import Metrics
 from .middleware import BodyLimits, Guard
@@ -43,6 +44,9 @@ def create_app(
     )
     served = settings.served_model_names or [model_name]
     started = int(time.time())
+    # what answered: this build, model and drafter (OpenAI's system_fingerprint)
+    built = f"specd {app.version} {model_name} {capacity.drafter} {capacity.k_max}"
+    fingerprint = "fp_" + hashlib.sha256(built.encode()).hexdigest()[:10]
     app.state.worker = worker
     if metrics is None:
         metrics = Metrics(model_name, capacity.drafter, capacity.k_max)
@@ -105,5 +109,15 @@ def create_app(
     async def models():
         return P.ModelList(data=[P.ModelCard(id=n, created=started) for n in served])
 
-    add_generation_routes(app, Serving(worker, tokenizer, served, capacity, settings, metrics))
+    @app.get(
+        "/v1/models/{model:path}",
+        response_model=P.ModelCard,
+        responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]},
+    )
+    async def model(model: str):
+        check_model(model, served)
+        return P.ModelCard(id=model, created=started)
+
+    serving = Serving(worker, tokenizer, served, capacity, settings, metrics, fingerprint)
+    add_generation_routes(app, serving)
     return app

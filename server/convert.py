@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 
-from .errors import bad
+from .errors import APIError, bad
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .settings import ServerSettings
 
@@ -54,9 +54,13 @@ class Job:
 
 
 def check_model(name: str, served: list[str]) -> None:
+    """OpenAI's 404 for a model it does not serve (clients map it to NotFoundError)."""
     if name not in served:
-        raise bad(
-            f"The model '{name}' does not exist; this server serves: {', '.join(served)}",
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist or you do not have access to it. This server "
+            f"serves: {', '.join(served)}",
+            "invalid_request_error",
             "model",
             "model_not_found",
         )

@@ -46,6 +46,23 @@ class Tally:
     passes: int = 0
 
 
+def _text(out: StepOutput, detok: IncrementalDetokenizer, stops: StopFilter) -> tuple[str, int]:
+    """The text of ``out``'s new tokens that may be sent, and how many of its tokens that text
+    covers. With stop strings the tokens are read one at a time and the output ends at the
+    token that completes a stop string, as plain decoding (one token a step) would end it: a
+    speculative round that emitted tokens past it counts none of them (usage, logprobs)."""
+    ids, final = out.new_token_ids, out.finished
+    if not stops.stops:
+        return stops.feed(detok.add(ids, final=final), final=final), len(ids)
+    text = ""
+    for used, t in enumerate(ids, 1):
+        last = final and used == len(ids)
+        text += stops.feed(detok.add([t], final=last), final=last)
+        if stops.stopped:
+            return text, used
+    return text, len(ids)
+
+
 @dataclass
 class JobRun:
     """All choices of one job: ``len(prompts) * n`` engine requests, merged into one stream."""
@@ -65,8 +82,10 @@ class JobRun:
     async def _choice(self, index: int, prompt: list[int]) -> AsyncGenerator[ChoiceEvent, None]:
         """One choice's events; its latencies and finish reason go to the metrics."""
         clock = self.metrics.sequence_clock(self.started) if self.metrics else None
-        if self.metrics:
-            self.metrics.prompt_tokens.inc(len(prompt))
+        if index % self.job.n == 0:  # a prompt counts once, however many choices share it
+            self.tally.prompt_tokens += len(prompt)
+            if self.metrics:
+                self.metrics.prompt_tokens.inc(len(prompt))
         reason = "abort"  # unless it finishes: the consumer went away
         try:
             async with aclosing(self._choice_events(index, prompt, clock)) as events:
@@ -87,7 +106,6 @@ class JobRun:
         job = self.job
         detok = IncrementalDetokenizer(self.tokenizer, prompt)
         stops = StopFilter(job.stop)
-        self.tally.prompt_tokens += len(prompt)
         params = job.params
         if params.seed is not None and index:  # n choices of one seeded request must differ
             params = replace(params, seed=params.seed + index)
@@ -99,10 +117,9 @@ class JobRun:
             async for out in outputs:
                 if clock:
                     clock.tokens(len(out.new_token_ids), out.seq)
-                self._count(out)
-                final = out.finished
-                text = stops.feed(detok.add(out.new_token_ids, final=final), final=final)
-                lps = self._logprobs(out)
+                text, used = _text(out, detok, stops)
+                self._count(out, used)
+                lps = self._logprobs(out, used)
                 if stops.stopped:
                     yield ChoiceEvent(index, text, lps, "stop")
                     return
@@ -112,21 +129,21 @@ class JobRun:
                 if text or lps or reason:
                     yield ChoiceEvent(index, text, lps, reason)
 
-    def _count(self, out: StepOutput) -> None:
-        self.tally.completion_tokens += len(out.new_token_ids)
+    def _count(self, out: StepOutput, used: int) -> None:
+        self.tally.completion_tokens += used
         if out.stats is not None:
             self.tally.drafted += out.stats.drafted
             self.tally.accepted += out.stats.accepted
         self.tally.passes += out.passes
 
-    def _logprobs(self, out: StepOutput) -> list[TokenLP] | None:
+    def _logprobs(self, out: StepOutput, used: int) -> list[TokenLP] | None:
         if self.job.params.logprobs is None or out.logprobs is None:
             return None
         tops = out.top_logprobs or [[] for _ in out.new_token_ids]
         text = self._token_text
         return [
             TokenLP(text(t), lp, [(text(i), v) for i, v in top])
-            for t, lp, top in zip(out.new_token_ids, out.logprobs, tops)
+            for t, lp, top in zip(out.new_token_ids[:used], out.logprobs, tops)
         ]
 
     async def events(self) -> AsyncGenerator[ChoiceEvent, None]:

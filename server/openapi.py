@@ -12,6 +12,7 @@ from . import protocol as P
 _ERRORS = {
     400: "invalid request",
     401: "missing or wrong API key (when keys are set)",
+    404: "no such model (code model_not_found)",
     408: "request body too slow",
     413: "request body too large",
     429: "request queue full (retry after Retry-After seconds)",

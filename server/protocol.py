@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 INT64 = 2**63
 
@@ -54,7 +54,7 @@ class _Sampling(_Req):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's maximum
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
@@ -120,7 +120,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str
 
 
 class TopLogprob(BaseModel):
@@ -158,12 +158,19 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str
 
 
 class Delta(BaseModel):
+    """A stream chunk's delta: only the keys it carries (OpenAI sends ``role`` in the first
+    chunk only, and an empty ``{}`` with the finish reason)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_keys(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
@@ -180,7 +187,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str
 
 
 class ModelCard(BaseModel):

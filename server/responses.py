@@ -39,11 +39,19 @@ def usage(run: JobRun) -> P.Usage:
     )
 
 
-def envelope(cls: type[BaseModel], run: JobRun, model: str, created: int):
-    """``cls(id, created, model, choices, usage)`` for this run: a response or a stream chunk."""
+def envelope(cls: type[BaseModel], run: JobRun, model: str, created: int, fingerprint: str):
+    """``cls(id, created, model, system_fingerprint, choices, usage)`` for this run: a
+    response or a stream chunk."""
 
     def build(choices: list, usage: P.Usage | None = None):
-        return cls(id=run.request_id, created=created, model=model, choices=choices, usage=usage)
+        return cls(
+            id=run.request_id,
+            created=created,
+            model=model,
+            system_fingerprint=fingerprint,
+            choices=choices,
+            usage=usage,
+        )
 
     return build
 

@@ -50,6 +50,7 @@ class Serving:
     capacity: EngineCapacity
     settings: ServerSettings
     metrics: Metrics
+    fingerprint: str  # OpenAI's system_fingerprint: this build, model and drafter
 
 
 def admit(s: Serving, job: Job, prefix: str) -> JobRun:
@@ -94,7 +95,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
         job = completion_job(req, s.tokenizer, s.settings, s.capacity)
         prompts = [s.tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
         run = admit(s, job, "cmpl")
-        build = envelope(P.CompletionResponse, run, req.model, int(time.time()))
+        build = envelope(P.CompletionResponse, run, req.model, int(time.time()), s.fingerprint)
         want_lp = req.logprobs is not None
 
         if req.stream:
@@ -139,7 +140,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
         created = int(time.time())
 
         if req.stream:
-            build = envelope(P.ChatCompletionChunk, run, req.model, created)
+            build = envelope(P.ChatCompletionChunk, run, req.model, created, s.fingerprint)
             roles = [
                 P.ChatChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))
                 for i in range(job.n)
@@ -165,7 +166,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
             )
             for i, evs in enumerate(await collect(request, run))
         ]
-        build = envelope(P.ChatCompletionResponse, run, req.model, created)
+        build = envelope(P.ChatCompletionResponse, run, req.model, created, s.fingerprint)
         return build(choices, usage(run))
 
 

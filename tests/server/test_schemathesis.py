@@ -131,6 +131,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions", False),
     ("POST", "/v1/chat/completions", True),
     ("GET", "/v1/models", None),
+    ("GET", "/v1/models/{model}", None),
     ("GET", "/health", None),
     ("GET", "/ready", None),
     ("GET", "/metrics", None),
@@ -160,7 +161,7 @@ def test_operation(api_schema, method, path, stream):
         if positive:  # (schema-invalid cases go as generated)
             small(case, stream)
         # no 5xx; status, content type and body as documented; schema-invalid input refused.
-        # (Schema-valid input may still get a documented 400: unknown model, max_tokens past
+        # (Schema-valid input may still get a documented 400 / 404: unknown model, max_tokens past
         # the context, n above the cap... so "positive data accepted" is not checked.)
         response = case.call_and_validate(excluded_checks=[positive_data_acceptance])
         seen = STATUSES.setdefault((f"{method} {path}", stream), {})
