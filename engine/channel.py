@@ -40,6 +40,7 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
         logprobs=cat(a.logprobs, b.logprobs),
         top_logprobs=cat(a.top_logprobs, b.top_logprobs),
         passes=a.passes + b.passes,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 

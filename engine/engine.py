@@ -3,7 +3,9 @@
   1. schedule  -- the scheduler admits waiting sequences into free KV slots (fairly across
                   requests) and picks this step's prompt chunks (scheduler.py).
   2. prefill   -- one target forward per chunk; a sequence whose prompt is complete samples its
-                  first token from the last chunk's logits and joins the running batch.
+                  first token from the last chunk's logits and joins the running batch (or, with
+                  max_tokens = 0, finishes: its prompt scored, prompt_logprobs.py). Choices of
+                  one request with the same prompt share one prefill (scheduler.py).
   3. round     -- one speculative round over every running sequence (round.py).
   4. outputs   -- each request's new tokens (with logprobs / stats) as :class:`StepOutput`.
 
@@ -25,10 +27,11 @@ from .drafters.guard import GuardedDrafter
 from .k_control import AdaptiveK, FixedK, KController
 from .model_runner import ModelRunner
 from .output import StepOutput
+from .prompt_logprobs import add_prompt_logprobs
 from .rejection import rejection_sample
 from .round import AcceptRule, Speculator
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import PrefillChunk, Scheduler
 from .sequence import Sequence, SpecParams
 
 __all__ = ["EngineLoad", "SpecEngine", "StepOutput"]
@@ -148,22 +151,54 @@ class SpecEngine:
     def step(self) -> list[StepOutput]:
         sched = self.scheduler
         self._calibrate_once()
-        chunks = sched.schedule_prefill()
-        new, last_logits = [], []
-        for c in chunks:
-            logits = self.target.forward([c.tokens], [c.seq.slot])  # [1, vocab]
-            if self.guard is not None:
-                self.guard.observe([c.seq], self.target.tapped, [c.start], [len(c.tokens)])
-            sched.prefilled(c)
-            if c.completes:
-                new.append(c.seq)
-                last_logits.append(logits)
-        outputs = self.speculator.first_tokens(new, torch.cat(last_logits)) if new else []
+        new, last_logits, outputs = self._prefill(sched.schedule_prefill())
+        if new:
+            firsts = self.speculator.first_tokens(new, torch.cat(last_logits))
+            outputs = firsts + outputs
+        for out in outputs:  # a sequence's first output carries its prompt's scores
+            assert out.seq is not None
+            out.prompt_logprobs = out.seq.prompt_logprobs
         sched.start_running(new)
         if sched.running:
             outputs += self.speculator.round(sched.running)
             sched.retire()
         return outputs
+
+    def _prefill(
+        self, chunks: list[PrefillChunk]
+    ) -> tuple[list[Sequence], list[torch.Tensor], list[StepOutput]]:
+        """One forward per chunk. Returns the sequences whose prompt is now complete (with the
+        choices that share their prefill) and their last logits ``[1, vocab]`` each, and the
+        outputs of those that finish here (max_tokens = 0)."""
+        sched = self.scheduler
+        new, last_logits, scored = [], [], []
+        for c in chunks:
+            scores = c.seq.params.prompt_logprobs is not None
+            logits = self.target.forward(
+                [c.tokens], [c.seq.slot], logits="all" if scores else "last"
+            )  # [1, vocab], or [1, chunk, vocab] when the prompt is scored
+            if scores:
+                add_prompt_logprobs(c.seq, c.start, logits[0])
+                logits = logits[:, -1]
+            if self.guard is not None:
+                self.guard.observe([c.seq], self.target.tapped, [c.start], [len(c.tokens)])
+            sched.prefilled(c)
+            if not c.completes:
+                continue
+            done = [c.seq] + sched.followers(c.seq)  # choices sharing this prefill
+            for f in done[1:]:
+                if self.guard is not None:
+                    self.guard.fork(c.seq, f)
+                if c.seq.prompt_logprobs is not None:
+                    f.prompt_logprobs = list(c.seq.prompt_logprobs)
+            for s in done:
+                if s.params.max_tokens == 0:  # prefill only: the prompt scored
+                    sched.finish(s, "length")
+                    scored.append(StepOutput(s.request_id, [], True, "length", seq=s))
+                else:
+                    new.append(s)
+                    last_logits.append(logits)
+        return new, last_logits, scored
 
     def _calibrate_once(self) -> None:
         """Before the first request the controller decides K for: time forwards on free slots."""

@@ -116,6 +116,12 @@ class SlotKVCache:
         write_pos = torch.where(valid, pos, torch.full_like(pos, self.scratch_pos))
         return pos, write_pos
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` holds the first ``length`` positions of slot ``src`` (a shared prompt)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.lengths[dst] = length
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget every position >= ``length`` (they stay in memory but are never read again)."""
         if length > self.lengths[slot]:

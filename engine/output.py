@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sequence import RoundStats, Sequence, Status
+from .sequence import PromptLogprob, RoundStats, Sequence, Status
 
 
 @dataclass
@@ -28,6 +28,8 @@ class StepOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     passes: int = 1  # target passes this output covers (more when a reader's buffer merged)
+    # the prompt's log-probabilities (SamplingParams.prompt_logprobs), on a sequence's first output
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass

@@ -3,7 +3,8 @@
   1. plan     -- each row's K (capped by its remaining tokens and the context), sampling params
                  and random draws (plan.py): host decisions only.
   2. propose  -- the drafter proposes up to K_i tokens per row (ragged rows, padded to the widest).
-  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row.
+  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row; logit bias and
+                 penalties (penalties.py) at position i count d_1..d_i as output.
   4. accept   -- the exact rejection rule (rejection.py defines accepted, recovered and bonus
                  tokens, and K); the round's one device->host sync reads its result (output.py).
   5. commit   -- append the emitted tokens (cut at stop conditions), commit the target cache to
@@ -26,6 +27,7 @@ from .drafters.guard import GuardedDrafter
 from .k_control import KController
 from .model_runner import ModelRunner
 from .output import StepOutput, make_output, to_host
+from .penalties import apply_penalties
 from .plan import RoundPlan, make_plan, to_device
 from .rejection import rejection_sample
 from .sampling import logits_to_probs
@@ -74,6 +76,7 @@ class Speculator:
         if self.drafter is not None:  # the target's features of these positions (EAGLE-3)
             starts = [s.num_tokens - 1 for s in seqs]
             self.drafter.observe(seqs, self.target.tapped, starts, counts)
+        logits = apply_penalties(logits, seqs, drafts)  # position i sees d_1..d_i too
         probs = self._probs(logits, plan)  # [batch, K+1, vocab]
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync
@@ -111,8 +114,8 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.add(seqs)
         plan = self._plan(seqs, [0] * len(seqs))
-        probs = self._probs(logits[:, None], plan)  # [new, 1, vocab]
         empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+        probs = self._probs(apply_penalties(logits[:, None], seqs, empty), plan)  # [new, 1, vocab]
         num_acc, next_tok = rejection_sample(
             probs, empty, plan.num_zero, None, plan.greedy, plan.uniforms, plan.noise
         )

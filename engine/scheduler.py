@@ -14,6 +14,9 @@ Invariants:
     waits while later arrivals of other groups are admitted.
   * Chunked prefill: at most ``prefill_chunk_tokens`` prompt tokens per step, so a long prompt
     never stalls the running streams for more than one chunk's forward.
+  * Shared prefill: choices of one group with the same prompt prefill once. The first admitted
+    is the lead; the others (``lead`` set) take no prefill seat and no chunk, and copy the lead's
+    prompt KV into their slots when its prefill completes (:meth:`followers`).
 
 Seam for a paged or prefix-shared KV cache and preemption: slots are taken in :meth:`_admit` and
 returned in :meth:`finish` only; a block allocator (or prefix sharing) replaces
@@ -79,6 +82,8 @@ class Scheduler:
         for s in self.prefilling:
             if budget <= 0:
                 break
+            if s.lead is not None:  # it copies its lead's prefill (:meth:`followers`)
+                continue
             start = self.cache.lengths[s.slot]
             chunk = s.prompt_ids[start : start + budget]
             chunks.append(PrefillChunk(s, start, chunk))
@@ -94,19 +99,31 @@ class Scheduler:
             held[s.group] = held.get(s.group, 0) + 1
             seats[s.group] = seats.get(s.group, 0) + 1
         for s in list(self.waiting):
-            if not self.cache.num_free() or len(self.prefilling) >= self.max_prefill_per_step:
+            if not self.cache.num_free():
                 return
-            if (
-                held.get(s.group, 0) >= self.max_slots_per_group
-                or seats.get(s.group, 0) >= self.max_prefill_per_group
+            # a choice whose prompt a choice of its group is prefilling shares that prefill: it
+            # takes a slot but no prefill seat or compute
+            s.lead = next(
+                (
+                    p
+                    for p in self.prefilling
+                    if p.group == s.group and p.lead is None and p.prompt_ids == s.prompt_ids
+                ),
+                None,
+            )
+            if s.lead is None and len(self.prefilling) >= self.max_prefill_per_step:
+                return
+            if held.get(s.group, 0) >= self.max_slots_per_group or (
+                s.lead is None and seats.get(s.group, 0) >= self.max_prefill_per_group
             ):
+                s.lead = None
                 continue  # its group is at its cap: later arrivals of other groups go first
             self.waiting.remove(s)
             s.slot = self.cache.allocate()
             s.status, s.admitted = Status.RUNNING, time.perf_counter()
             self.prefilling.append(s)
             held[s.group] = held.get(s.group, 0) + 1
-            seats[s.group] = seats.get(s.group, 0) + 1
+            seats[s.group] = seats.get(s.group, 0) + (s.lead is None)
 
     def prefilled(self, chunk: PrefillChunk) -> None:
         """The chunk's tokens are in the cache; a sequence whose prompt is complete leaves
@@ -114,6 +131,16 @@ class Scheduler:
         self.cache.commit(chunk.seq.slot, chunk.start + len(chunk.tokens))
         if chunk.completes:
             self.prefilling.remove(chunk.seq)
+
+    def followers(self, lead: Sequence) -> list[Sequence]:
+        """The choices waiting to copy ``lead``'s prefill (now complete): they leave
+        ``prefilling`` with ``lead``'s prompt committed to their own slots."""
+        out = [s for s in self.prefilling if s.lead is lead]
+        for s in out:
+            self.cache.copy(lead.slot, s.slot, len(s.prompt_ids))
+            s.lead = None
+            self.prefilling.remove(s)
+        return out
 
     def start_running(self, seqs: list[Sequence]) -> None:
         self.running += [s for s in seqs if s.status is Status.RUNNING]
@@ -151,6 +178,10 @@ class Scheduler:
 
     def finish(self, s: Sequence, reason: str) -> None:
         s.status, s.finish_reason = Status.FINISHED, reason
+        heir = None  # a lead that ends early: its first follower leads the others
+        for f in self.prefilling:
+            if f.lead is s:
+                f.lead, heir = heir, heir or f
         if s.slot >= 0:
             if self.on_release is not None:
                 self.on_release(s)

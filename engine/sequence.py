@@ -50,6 +50,15 @@ class RoundStats:
 
 
 @dataclass
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (the raw model's, no
+    temperature or processing), and the top alternatives as (token id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -63,11 +72,17 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     slot: int = -1
+    # a choice whose prompt another choice of its group is prefilling: it takes a copy of that
+    # prefill (KV and drafter state) when it completes instead of prefilling again
+    lead: Sequence | None = field(default=None, repr=False)
     # running totals, for usage and metrics
     drafted: int = 0
     accepted: int = 0
     target_passes: int = 0
     kstate: KState = field(default_factory=KState)  # the K controller's view of this request
+    # with params.prompt_logprobs: per prompt token (None for the first) its log-probability
+    # under the model and its top alternatives, filled chunk by chunk as the prompt is prefilled
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     _buf: np.ndarray = field(init=False, repr=False)  # prompt + output, then spare room
     _len: int = field(init=False, repr=False, default=0)
 

@@ -66,21 +66,16 @@ def check_model(name: str, served: list[str]) -> None:
         )
 
 
-def _refuse_unsupported(req: _Sampling) -> None:
-    if req.presence_penalty:
-        raise bad(
-            "presence_penalty is not supported by specd yet (send 0 or omit it)",
-            "presence_penalty",
-            "unsupported_parameter",
-        )
-    if req.frequency_penalty:
-        raise bad(
-            "frequency_penalty is not supported by specd yet (send 0 or omit it)",
-            "frequency_penalty",
-            "unsupported_parameter",
-        )
-    if req.logit_bias:
-        raise bad("logit_bias is not supported by specd yet", "logit_bias", "unsupported_parameter")
+def _logit_bias(req: _Sampling, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as strings) to a bias in [-100, 100]."""
+    out = []
+    for key, value in (req.logit_bias or {}).items():
+        if not (key.isdigit() and int(key) < vocab):
+            raise bad(f"logit_bias keys must be token ids in [0, {vocab}): {key!r}", "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad(f"logit_bias values must be in [-100, 100]: {value}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
 
 
 def _stops(req: _Sampling, s: ServerSettings) -> list[str]:
@@ -126,7 +121,7 @@ def _params(
     max_tokens: int | None,
     default_max: int | None,
     logprobs: int | None,
-    stop_ids: tuple[int, ...] = (),
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     room = capacity.max_model_len - prompt_len
     if room <= 0:
@@ -166,7 +161,11 @@ def _params(
         max_tokens=max_tokens,
         seed=req.seed,
         logprobs=logprobs,
-        stop_token_ids=stop_ids,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logit_bias=_logit_bias(req, capacity.vocab_size),
     )
 
 
@@ -180,7 +179,6 @@ def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:
 def completion_job(
     req: CompletionRequest, tokenizer, s: ServerSettings, capacity: EngineCapacity
 ) -> Job:
-    _refuse_unsupported(req)
     _check_n(req, s)
     if req.best_of is not None and req.best_of != req.n:
         raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
@@ -210,9 +208,9 @@ def completion_job(
         if any(not 0 <= t < capacity.vocab_size for t in ids):
             raise bad(f"prompt token ids must be in [0, {capacity.vocab_size})", "prompt")
     stop = _stops(req, s)
-    params = _params(
-        req, s, capacity, max(len(x) for x in prompts), req.max_tokens, 16, req.logprobs
-    )
+    longest = max(len(x) for x in prompts)
+    prompt_lp = req.logprobs if req.echo else None  # echo + logprobs: the prompt's too
+    params = _params(req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp)
     return Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
 
 
@@ -245,7 +243,6 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
 def chat_job(
     req: ChatCompletionRequest, tokenizer, s: ServerSettings, capacity: EngineCapacity
 ) -> Job:
-    _refuse_unsupported(req)
     _check_n(req, s)
     if req.tools:
         raise bad("tools are not supported by specd yet", "tools", "unsupported_parameter")

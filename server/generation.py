@@ -25,7 +25,7 @@ from .textstream import IncrementalDetokenizer, StopFilter
 @dataclass
 class TokenLP:
     token: str
-    logprob: float
+    logprob: float | None  # None: the first prompt token (nothing to score it on)
     top: list[tuple[str, float]]
 
 
@@ -35,6 +35,7 @@ class ChoiceEvent:
     text: str
     logprobs: list[TokenLP] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLP] | None = None  # on a choice's first event, when asked for
 
 
 @dataclass
@@ -120,14 +121,15 @@ class JobRun:
                 text, used = _text(out, detok, stops)
                 self._count(out, used)
                 lps = self._logprobs(out, used)
+                scored = self._prompt_logprobs(prompt, out)
                 if stops.stopped:
-                    yield ChoiceEvent(index, text, lps, "stop")
+                    yield ChoiceEvent(index, text, lps, "stop", scored)
                     return
                 reason = None
                 if out.finished:
                     reason = "length" if out.finish_reason == "length" else "stop"
-                if text or lps or reason:
-                    yield ChoiceEvent(index, text, lps, reason)
+                if text or lps or reason or scored:
+                    yield ChoiceEvent(index, text, lps, reason, scored)
 
     def _count(self, out: StepOutput, used: int) -> None:
         self.tally.completion_tokens += used
@@ -144,6 +146,17 @@ class JobRun:
         return [
             TokenLP(text(t), lp, [(text(i), v) for i, v in top])
             for t, lp, top in zip(out.new_token_ids[:used], out.logprobs, tops)
+        ]
+
+    def _prompt_logprobs(self, prompt: list[int], out: StepOutput) -> list[TokenLP] | None:
+        if out.prompt_logprobs is None:
+            return None
+        text = self._token_text
+        return [
+            TokenLP(text(t), None, [])
+            if lp is None
+            else TokenLP(text(t), lp.logprob, [(text(i), v) for i, v in lp.top])
+            for t, lp in zip(prompt, out.prompt_logprobs)
         ]
 
     async def events(self) -> AsyncGenerator[ChoiceEvent, None]:

@@ -47,13 +47,15 @@ class _Sampling(_Req):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
+    repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): 1 = off
     user: str | None = None
     speculation: SpeculationOptions | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo + logprobs: score the prompt
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's maximum
     echo: bool = False
     best_of: int | None = Field(None, ge=1)

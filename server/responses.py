@@ -57,12 +57,15 @@ def envelope(cls: type[BaseModel], run: JobRun, model: str, created: int, finger
 
 
 def completion_logprobs(evs: list[ChoiceEvent], offset: int) -> P.CompletionLogprobs:
+    """The legacy logprobs object of these events: the prompt's tokens first when they were
+    scored (echo: the first with null logprob and alternatives, as OpenAI answers), then the
+    generated ones; ``text_offset`` counts characters from ``offset``."""
     lp = P.CompletionLogprobs()
     for ev in evs:
-        for t in ev.logprobs or []:
+        for t in (ev.prompt_logprobs or []) + (ev.logprobs or []):
             lp.tokens.append(t.token)
             lp.token_logprobs.append(t.logprob)
-            lp.top_logprobs.append(dict(t.top))
+            lp.top_logprobs.append(dict(t.top) if t.logprob is not None else None)
             lp.text_offset.append(offset)
             offset += len(t.token)
     return lp
@@ -72,7 +75,7 @@ def chat_logprobs(evs: list[ChoiceEvent]) -> P.ChoiceLogprobs:
     content = [
         P.TokenLogprob(
             token=t.token,
-            logprob=t.logprob,
+            logprob=t.logprob if t.logprob is not None else 0.0,  # (chat never scores a prompt)
             bytes=list(t.token.encode()),
             top_logprobs=[
                 P.TopLogprob(token=s, logprob=v, bytes=list(s.encode())) for s, v in t.top

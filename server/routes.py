@@ -99,6 +99,9 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
         want_lp = req.logprobs is not None
 
         if req.stream:
+            # echo: the prompt's text leads each choice (with logprobs, in the chunk that carries
+            # the prompt's scores: they exist once the prompt is prefilled)
+            echo_first = job.echo and not want_lp
             echoed = [
                 P.CompletionChoice(index=i, text=prompts[i // job.n])
                 for i in range(len(prompts) * job.n)
@@ -106,22 +109,25 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
             offsets: dict[int, int] = {}
 
             def choice(ev: ChoiceEvent) -> P.CompletionChoice:
-                lp = None
+                text, lp = ev.text, None
+                if job.echo and ev.prompt_logprobs is not None:
+                    text = prompts[ev.index // job.n] + text
                 if want_lp:
                     lp = completion_logprobs([ev], offsets.get(ev.index, 0))
-                    offsets[ev.index] = offsets.get(ev.index, 0) + len(ev.text)
+                    if lp.tokens:
+                        offsets[ev.index] = lp.text_offset[-1] + len(lp.tokens[-1])
                 return P.CompletionChoice(
-                    index=ev.index, text=ev.text, logprobs=lp, finish_reason=ev.finish_reason
+                    index=ev.index, text=text, logprobs=lp, finish_reason=ev.finish_reason
                 )
 
-            head = echoed if job.echo else []
+            head = echoed if echo_first else []
             chunks = stream_chunks(run, build, head, choice, include_usage(req))
             return EventStream(chunks, run.reservation)
 
         choices = []
         for i, evs in enumerate(await collect(request, run)):
             prefix = prompts[i // job.n] if job.echo else ""
-            lp = completion_logprobs(evs, len(prefix)) if want_lp else None
+            lp = completion_logprobs(evs, 0) if want_lp else None
             text = prefix + "".join(e.text for e in evs)
             choices.append(
                 P.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_finish(evs))

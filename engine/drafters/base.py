@@ -79,6 +79,11 @@ class Drafter(Protocol):
         """The sequence left the engine: free its state."""
         ...
 
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        """``dst`` (not yet added) takes a copy of ``src``'s prefill (the same prompt) instead of
+        a prefill of its own: whatever ``observe`` kept of ``src``'s prompt."""
+        ...
+
 
 class DrafterBase:
     """Defaults for a stateless drafter that needs one step per drafted token."""
@@ -103,4 +108,7 @@ class DrafterBase:
         return None
 
     def remove(self, seq: Sequence) -> None:
+        return None
+
+    def fork(self, src: Sequence, dst: Sequence) -> None:
         return None

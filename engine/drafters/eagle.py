@@ -89,6 +89,12 @@ class EagleDrafter(DrafterBase):
         if any(take):
             self._ingest([s for s, n in zip(rows, take) if n], [n for n in take if n])
 
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        if dst.spec.enabled and src.slot in self.pending:  # the prompt's features, shared
+            self.pending[dst.slot] = list(self.pending[src.slot])
+            self.pending_n[dst.slot] = self.pending_n[src.slot]
+            self.real[dst.slot] = self.real[src.slot]
+
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)
         for d in (self.pending, self.pending_n, self.real):

@@ -34,6 +34,9 @@ class GuardedDrafter:
     def remove(self, seq: Sequence) -> None:
         self._guard("remove", [seq], lambda: self.inner.remove(seq))
 
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        self._guard("fork", [dst], lambda: self.inner.fork(src, dst))
+
     def observe(
         self,
         seqs: list[Sequence],

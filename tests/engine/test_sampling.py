@@ -50,7 +50,9 @@ def test_per_row_parameters():
         dict(top_p=0),
         dict(top_p=1.5),
         dict(top_k=-1),
-        dict(max_tokens=0),
+        dict(max_tokens=-1),
+        dict(repetition_penalty=0),
+        dict(prompt_logprobs=-1),
         dict(temperature=float("nan")),
     ],
 )

@@ -1,6 +1,8 @@
 """Scheduling (engine/scheduler.py): slot admission, chunked prefill, and fairness across
 requests — one request with many choices never holds the whole engine."""
 
+import pytest
+
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams, Status
 from tests.helpers import engine_for
@@ -66,3 +68,63 @@ def test_abort_frees_slots_in_every_state(models):
     assert e.abort("b")
     assert not e.has_work() and e.target.cache.used_tokens() == 0
     assert e.drafter.cache.used_tokens() == 0
+
+
+def prefill_tokens(engine) -> list[int]:
+    """Counts the prompt tokens the target is fed (prefill chunks come as host lists)."""
+    fed: list[int] = []
+    real = engine.target.forward
+
+    def forward(tokens, slots, counts=None, logits="last"):
+        if isinstance(tokens, list):
+            fed.extend(len(t) for t in tokens)
+        return real(tokens, slots, counts, logits)
+
+    engine.target.forward = forward
+    return fed
+
+
+def run(engine, prompt, params, group, n, spec=None):
+    seqs = [
+        engine.add_request(f"{group}-{i}", prompt, p, spec, group) for i, p in enumerate(params)
+    ]
+    while engine.has_work():
+        engine.step()
+    return [s.output_ids for s in seqs[:n]]
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", None])
+def test_choices_of_one_prompt_share_one_prefill(models, drafter):
+    prompt = [5, 9, 2, 2, 7, 31, 8, 2, 40, 13, 9, 1, 3]
+    greedy = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4
+    seeded = [
+        SamplingParams(temperature=1, max_tokens=8, ignore_eos=True, seed=i) for i in range(4)
+    ]
+    e = engine_for(models, drafter, slots=8, chunk=5)
+    fed = prefill_tokens(e)
+    shared = run(e, prompt, greedy, "g", 4, SpecParams(k=3)) + run(
+        e, prompt, seeded, "s", 4, SpecParams(k=3)
+    )
+    assert sum(fed) == 2 * len(prompt)  # one prefill for each request's four choices
+    apart = [
+        run(engine_for(models, drafter, slots=8, chunk=5), prompt, [p], "x", 1, SpecParams(k=3))[0]
+        for p in greedy + seeded
+    ]
+    assert shared == apart  # each choice as if it had prefilled alone
+    assert e.target.cache.used_tokens() == 0
+
+
+def test_followers_of_an_aborted_lead_prefill_themselves(models):
+    e = engine_for(models, "model", slots=8, chunk=4)
+    fed = prefill_tokens(e)
+    p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    prompt = list(range(1, 12))
+    seqs = [e.add_request(f"c-{i}", prompt, p, SpecParams(k=2), "g") for i in range(3)]
+    e.step()  # the lead's first chunk; the others wait for it
+    assert [s.lead for s in seqs] == [None, seqs[0], seqs[0]]
+    assert e.abort("c-0")
+    while e.has_work():
+        e.step()
+    assert seqs[1].output_ids == seqs[2].output_ids and len(seqs[1].output_ids) == 5
+    assert sum(fed) == 4 + len(prompt)  # the lead's chunk, then one new lead's whole prompt
+    assert e.target.cache.used_tokens() == 0 and e.drafter.cache.used_tokens() == 0

@@ -228,3 +228,67 @@ def test_stop_string_usage_and_logprobs_do_not_depend_on_speculation(client):
             c = r.choices[0]
             assert c.text == text[: text.index(stop)] and c.finish_reason == "stop"
             assert r.usage.completion_tokens == len(c.logprobs.tokens) == want, (stop, spec)
+
+
+def test_logit_bias_forces_and_bans_tokens(client, live):
+    import torch
+
+    ids = live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)
+    with torch.inference_mode():
+        logits = live.model(torch.tensor([list(ids["input_ids"])])).logits[0, -1].float()
+    best, second = logits.topk(2).indices.tolist()
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=1)
+    banned = client.chat.completions.create(**kw, logit_bias={str(best): -100})
+    assert banned.choices[0].message.content == live.tokenizer.decode([second])
+    forced = client.chat.completions.create(**{**kw, "max_tokens": 6}, logit_bias={"28": 100})
+    assert forced.choices[0].message.content == live.tokenizer.decode([28] * 6)
+
+
+def test_penalties_greedy_equal_with_and_without_speculation(client):
+    """fp32, greedy: the penalised output is the same token for token whatever K (the
+    penalties at each verified position count the drafts before it)."""
+    kw = dict(
+        model=MODEL,
+        prompt="red green blue, red green blue, red green blue,",
+        temperature=0,
+        max_tokens=32,
+        presence_penalty=0.5,
+        frequency_penalty=0.6,
+        logprobs=0,
+    )
+    off = client.completions.create(**kw, extra_body={"speculation": {"enabled": False}})
+    on = client.completions.create(**kw, extra_body={"speculation": {"k": 5}})
+    rep = client.completions.create(**kw, extra_body={"repetition_penalty": 1.3})
+    base = client.completions.create(**{**kw, "presence_penalty": 0, "frequency_penalty": 0})
+    assert on.choices[0].logprobs.tokens == off.choices[0].logprobs.tokens
+    assert on.usage.model_extra["speculation"]["drafted_tokens"] > 0
+    assert off.choices[0].text != base.choices[0].text != rep.choices[0].text  # they act
+
+
+def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, live):
+    """Loglikelihood scoring as lm-evaluation-harness does it: max_tokens 0, echo, logprobs."""
+    import torch
+
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    c = r.choices[0]
+    ids = live.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        ref = torch.log_softmax(live.model(torch.tensor([ids])).logits[0].float(), -1)
+    assert c.text == prompt and r.usage.completion_tokens == 0
+    assert r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert lp.tokens == [live.tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
+    assert all(len(t) == 1 for t in lp.top_logprobs[1:])
+    # with generation after it, streamed: the prompt's entries lead, then the generated ones
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=0, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = [x.choices[0] for x in client.completions.create(stream=True, **kw) if x.choices]
+    assert "".join(x.text for x in chunks) == full.choices[0].text
+    assert full.choices[0].text.startswith(prompt)
+    streamed = [t for x in chunks if x.logprobs for t in x.logprobs.tokens]
+    assert streamed == full.choices[0].logprobs.tokens
+    assert len(streamed) == len(ids) + 4 == len(full.choices[0].logprobs.text_offset)
