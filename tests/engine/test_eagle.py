@@ -139,6 +139,21 @@ def test_greedy_equals_plain_ragged_batch(target):
     assert sum(s.accepted for s in out) < sum(s.drafted for s in out)
 
 
+def test_choices_sharing_a_prefill_draft_as_if_prefilled_alone(target):
+    """n choices of one prompt prefill once; each follower's head takes a copy of the lead's
+    prompt features (drafter fork) and drafts as a separate prefill would have it draft."""
+    p = prompts(4, seed=7)[1]
+    g = SamplingParams(temperature=0, max_tokens=30)
+    alone = eagle_engine(target, echo_head(target), k=3).generate([p], g, SpecParams(k=3))[0]
+    shared = eagle_engine(target, echo_head(target), k=3)
+    seqs = [shared.add_request(f"c{i}", p, g, SpecParams(k=3), group="g") for i in range(3)]
+    while shared.has_work():
+        shared.step()
+    assert [s.output_ids for s in seqs] == [alone.output_ids] * 3
+    assert [(s.drafted, s.accepted) for s in seqs] == [(alone.drafted, alone.accepted)] * 3
+    assert alone.accepted > 0 and shared.drafter.cache.used_tokens() == 0
+
+
 def test_drafts_line_up_with_the_target():
     """With the target's last layer muted, the echo head's guess is exactly the target's current
     token, so while the output repeats one token every draft is accepted: a head fed features
