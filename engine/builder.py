@@ -14,6 +14,7 @@ from .drafters.model import check_same_vocab
 from .eagle_head import load_head
 from .engine import SpecEngine
 from .fast_forward import attach
+from .grammar import GrammarCompiler
 from .k_control import AdaptiveK, FixedK, HeuristicK, KController
 from .loader import load_model
 from .model_runner import ModelRunner
@@ -134,6 +135,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         make_controller(d, drafter),
         d.k_max,
         cfg.max_slots_per_request,
+        GrammarCompiler(tok, runner.vocab_size),
     )
     if m.native_q4:
         use_native_q4(m.source, *engine.runners())

@@ -24,6 +24,7 @@ import torch
 
 from .drafters.base import Drafter
 from .drafters.guard import GuardedDrafter
+from .grammar import GrammarCompiler
 from .k_control import AdaptiveK, FixedK, KController
 from .model_runner import ModelRunner
 from .output import StepOutput
@@ -60,6 +61,7 @@ class SpecEngine:
         controller: KController | None = None,
         k_max: int = 8,
         max_slots_per_request: int | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
@@ -80,6 +82,7 @@ class SpecEngine:
         )
         self.device = target.device
         self.vocab_size = target.vocab_size
+        self.grammars = grammars  # matchers for requests with a grammar (structured outputs)
         rng = torch.Generator(device=self.device)
         rng.manual_seed(secrets.randbits(63))
         self.speculator = Speculator(target, self.guard, controller, self.scheduler, k_max, rng)
@@ -104,6 +107,11 @@ class SpecEngine:
             )
         if not all(0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError("prompt token id outside the vocabulary")
+        matcher = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no grammar compiler (structured outputs)")
+            matcher = self.grammars.matcher(params.grammar)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -116,6 +124,7 @@ class SpecEngine:
             gen,
             arrival=time.perf_counter(),
             group=group or request_id,
+            matcher=matcher,
         )
         self.scheduler.add(seq)
         return seq

@@ -3,10 +3,12 @@
   1. plan     -- each row's K (capped by its remaining tokens and the context), sampling params
                  and random draws (plan.py): host decisions only.
   2. propose  -- the drafter proposes up to K_i tokens per row (ragged rows, padded to the widest).
-  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row; logit bias and
-                 penalties (penalties.py) at position i count d_1..d_i as output.
+  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row; logit bias,
+                 penalties (penalties.py) and grammar masks (grammar.py) at position i count
+                 d_1..d_i as output.
   4. accept   -- the exact rejection rule (rejection.py defines accepted, recovered and bonus
-                 tokens, and K); the round's one device->host sync reads its result (output.py).
+                 tokens, and K); the round's one device->host sync reads its result (output.py)
+                 (rows with a grammar read their drafts once before: grammar.py).
   5. commit   -- append the emitted tokens (cut at stop conditions), commit the target cache to
                  ``len(tokens) - 1`` and roll the drafter's state back to what was kept.
 
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .drafters.guard import GuardedDrafter
+from .grammar import advance, apply_grammar
 from .k_control import KController
 from .model_runner import ModelRunner
 from .output import StepOutput, make_output, to_host
@@ -76,7 +79,7 @@ class Speculator:
         if self.drafter is not None:  # the target's features of these positions (EAGLE-3)
             starts = [s.num_tokens - 1 for s in seqs]
             self.drafter.observe(seqs, self.target.tapped, starts, counts)
-        logits = apply_penalties(logits, seqs, drafts)  # position i sees d_1..d_i too
+        logits = self._process(logits, seqs, drafts, num_draft)  # [batch, K+1, vocab]
         probs = self._probs(logits, plan)  # [batch, K+1, vocab]
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync
@@ -97,6 +100,7 @@ class Speculator:
                 s.target_passes + 1,
             )
             emitted = self.scheduler.postprocess(s, row.drafts[:a] + [row.next_token])
+            advance(s, emitted)
             stats = RoundStats(k, nd, a, len(emitted), t1 - t0, tv - t1, kmax, t2 - tv)
             next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
             self.controller.observe(s, k, stats, next_cap)
@@ -115,7 +119,8 @@ class Speculator:
             self.drafter.add(seqs)
         plan = self._plan(seqs, [0] * len(seqs))
         empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
-        probs = self._probs(apply_penalties(logits[:, None], seqs, empty), plan)  # [new, 1, vocab]
+        logits = self._process(logits[:, None], seqs, empty, [0] * len(seqs))  # [new, 1, vocab]
+        probs = self._probs(logits, plan)
         num_acc, next_tok = rejection_sample(
             probs, empty, plan.num_zero, None, plan.greedy, plan.uniforms, plan.noise
         )
@@ -124,6 +129,7 @@ class Speculator:
         for s, row in zip(seqs, rows):
             s.target_passes += 1
             emitted = self.scheduler.postprocess(s, [row.next_token])
+            advance(s, emitted)
             outputs.append(make_output(s, emitted, None, row))
         return outputs
 
@@ -138,6 +144,18 @@ class Speculator:
     def _plan(self, seqs: list[Sequence], ks: list[int]) -> RoundPlan:
         sample_drafts = any(ks) and self.drafter is not None and self.drafter.inner.samples
         return make_plan(seqs, ks, self.vocab_size, self.device, self.rng, sample_drafts)
+
+    @staticmethod
+    def _process(
+        logits: torch.Tensor, seqs: list[Sequence], drafts: torch.Tensor, num_draft: list[int]
+    ) -> torch.Tensor:
+        """Bias, penalties, then the grammar mask, at every verified position i as plain decoding
+        would apply them after d_1..d_i (penalties.py, grammar.py)."""
+        logits = apply_penalties(logits, seqs, drafts)
+        if any(s.matcher is not None for s in seqs):  # the drafts on the host (grammar rows)
+            host = [row[:n] for row, n in zip(drafts.tolist(), num_draft)]
+            logits = apply_grammar(logits, seqs, host)
+        return logits
 
     @staticmethod
     def _probs(logits: torch.Tensor, plan: RoundPlan) -> torch.Tensor:

@@ -31,6 +31,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    grammar: str | None = None  # an llguidance grammar the output must match (grammar.py)
 
     def __post_init__(self):
         if self.temperature < 0 or self.temperature != self.temperature:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,6 +76,8 @@ class Sequence:
     # a choice whose prompt another choice of its group is prefilling: it takes a copy of that
     # prefill (KV and drafter state) when it completes instead of prefilling again
     lead: Sequence | None = field(default=None, repr=False)
+    # with params.grammar: its llguidance matcher, standing at the committed output (grammar.py)
+    matcher: Any = field(default=None, repr=False)
     # running totals, for usage and metrics
     drafted: int = 0
     accepted: int = 0

@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.grammar import GrammarCompiler
 from engine.worker import EngineWorker
 
 from . import protocol as P
@@ -118,6 +119,7 @@ def create_app(
         check_model(model, served)
         return P.ModelCard(id=model, created=started)
 
-    serving = Serving(worker, tokenizer, served, capacity, settings, metrics, fingerprint)
+    grammars = GrammarCompiler(tokenizer, capacity.vocab_size)
+    serving = Serving(worker, tokenizer, served, capacity, settings, metrics, fingerprint, grammars)
     add_generation_routes(app, serving)
     return app

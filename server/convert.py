@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from engine.grammar import GrammarCompiler
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 
 from .errors import APIError, bad
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .settings import ServerSettings
+from .structured import grammar_for
 
 log = logging.getLogger("specd.server")
 MIN_TEMPERATURE = 1e-5
@@ -122,6 +124,7 @@ def _params(
     default_max: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> SamplingParams:
     room = capacity.max_model_len - prompt_len
     if room <= 0:
@@ -166,6 +169,7 @@ def _params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=req.repetition_penalty or 1.0,
         logit_bias=_logit_bias(req, capacity.vocab_size),
+        grammar=grammar,
     )
 
 
@@ -177,7 +181,11 @@ def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:
 
 
 def completion_job(
-    req: CompletionRequest, tokenizer, s: ServerSettings, capacity: EngineCapacity
+    req: CompletionRequest,
+    tokenizer,
+    s: ServerSettings,
+    capacity: EngineCapacity,
+    grammars: GrammarCompiler,
 ) -> Job:
     _check_n(req, s)
     if req.best_of is not None and req.best_of != req.n:
@@ -210,7 +218,10 @@ def completion_job(
     stop = _stops(req, s)
     longest = max(len(x) for x in prompts)
     prompt_lp = req.logprobs if req.echo else None  # echo + logprobs: the prompt's too
-    params = _params(req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp)
+    grammar = grammar_for(req, grammars)
+    params = _params(
+        req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp, grammar
+    )
     return Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
 
 
@@ -241,7 +252,11 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def chat_job(
-    req: ChatCompletionRequest, tokenizer, s: ServerSettings, capacity: EngineCapacity
+    req: ChatCompletionRequest,
+    tokenizer,
+    s: ServerSettings,
+    capacity: EngineCapacity,
+    grammars: GrammarCompiler,
 ) -> Job:
     _check_n(req, s)
     if req.tools:
@@ -249,12 +264,6 @@ def chat_job(
     if req.tool_choice not in (None, "none"):
         raise bad(
             "tool_choice is not supported by specd yet", "tool_choice", "unsupported_parameter"
-        )
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad(
-            "response_format other than 'text' is not supported by specd yet",
-            "response_format",
-            "unsupported_parameter",
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
@@ -264,5 +273,6 @@ def chat_job(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs)
+    grammar = grammar_for(req, grammars)
+    params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs, None, grammar)
     return Job([ids], params, _spec(req, s, capacity), req.n, stop)

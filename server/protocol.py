@@ -34,6 +34,29 @@ class SpeculationOptions(_Req):
     k_max: int | None = Field(None, ge=0)
 
 
+class JsonSchemaFormat(_Req):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Req):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Req):
+    """specd / vLLM extension: the output must match exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema
+    regex: str | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's dialect)
+    choice: list[str] | None = Field(None, min_length=1)
+
+
 class _Sampling(_Req):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -51,6 +74,8 @@ class _Sampling(_Req):
     repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): 1 = off
     user: str | None = None
     speculation: SpeculationOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -73,10 +98,6 @@ class ChatMessage(_Req):
     name: str | None = None
 
 
-class ResponseFormat(_Req):
-    type: str
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -84,7 +105,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any | None = None
-    response_format: ResponseFormat | None = None
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from engine.grammar import GrammarCompiler
 from engine.worker import EngineWorker
 
 from . import protocol as P
@@ -51,6 +52,7 @@ class Serving:
     settings: ServerSettings
     metrics: Metrics
     fingerprint: str  # OpenAI's system_fingerprint: this build, model and drafter
+    grammars: GrammarCompiler  # checks structured-output grammars before admission
 
 
 def admit(s: Serving, job: Job, prefix: str) -> JobRun:
@@ -92,7 +94,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
     )
     async def completions(req: P.CompletionRequest, request: Request):
         check_model(req.model, s.served)
-        job = completion_job(req, s.tokenizer, s.settings, s.capacity)
+        job = completion_job(req, s.tokenizer, s.settings, s.capacity, s.grammars)
         prompts = [s.tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
         run = admit(s, job, "cmpl")
         build = envelope(P.CompletionResponse, run, req.model, int(time.time()), s.fingerprint)
@@ -141,7 +143,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
     )
     async def chat(req: P.ChatCompletionRequest, request: Request):
         check_model(req.model, s.served)
-        job = chat_job(req, s.tokenizer, s.settings, s.capacity)
+        job = chat_job(req, s.tokenizer, s.settings, s.capacity, s.grammars)
         run = admit(s, job, "chatcmpl")
         created = int(time.time())
 

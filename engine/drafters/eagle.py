@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..eagle_head import Eagle3Head
+from ..grammar import DraftGrammar
 from ..kv_cache import SlotKVCache
 from ..layer import LayerShape, decoder_layer, rms_norm
 from ..layer_weights import from_layer
@@ -128,6 +129,7 @@ class EagleDrafter(DrafterBase):
         # take in every pending position; the last one's output drafts d_1
         out = self._ingest([seqs[b] for b in rows], [self.pending_n[seqs[b].slot] for b in rows])
         tok = tokens[:0, 0]
+        guide = DraftGrammar(seqs)
         for j in range(kmax):
             active = [i for i, b in enumerate(rows) if ks[b] > j]
             if len(active) < len(rows):  # rows whose K is reached leave the draft batch
@@ -142,7 +144,8 @@ class EagleDrafter(DrafterBase):
                 out = out[:, 0]  # [rows, hidden]
                 for s, st in zip(slots, starts):
                     self.cache.commit(s, st + 1)
-            q = logits_to_probs(self._logits(out)[:, None], temp, top_k, top_p, plan.filter_rows)
+            logits = guide.mask(self._logits(out), rows)  # grammar rows: what it allows next
+            q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)
             q = q[:, 0]  # [rows, vocab], zero outside the draft vocabulary
             row_t = to_device(rows, torch.long, dev)
             if noise is not None:
@@ -152,6 +155,9 @@ class EagleDrafter(DrafterBase):
                 tok = q.argmax(-1)
             tokens[row_t, j] = tok
             probs[row_t, j] = q
+            if guide:
+                guide.took(tok.tolist(), rows)
+        guide.close()
         return Proposal(tokens, list(ks), probs)
 
     # -- the head -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..grammar import DraftGrammar
 from ..model_runner import ModelRunner
 from ..plan import RoundPlan, to_device
 from ..sampling import logits_to_probs
@@ -70,6 +71,7 @@ class ModelDrafter(DrafterBase):
         catch_up = [seqs[b].token_array()[cache.lengths[seqs[b].slot] :].tolist() for b in rows]
         counts = [len(f) for f in catch_up]
         feed: list[list[int]] | torch.Tensor = catch_up  # then [rows, 1] drafted tokens
+        guide = DraftGrammar(seqs)
         for j in range(kmax):
             active = [i for i, b in enumerate(rows) if ks[b] > j]
             if len(active) < len(rows):  # rows whose K is reached leave the draft batch
@@ -83,6 +85,7 @@ class ModelDrafter(DrafterBase):
             logits = logits[:, : self.vocab_size]  # [rows, vocab]
             for s, n in zip(slots, counts):
                 cache.commit(s, cache.lengths[s] + n)
+            logits = guide.mask(logits, rows)  # grammar rows: what the grammar allows next
             q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)
             q = q[:, 0]  # [rows, vocab]
             row_t = to_device(rows, torch.long, dev)
@@ -93,7 +96,10 @@ class ModelDrafter(DrafterBase):
                 tok = q.argmax(-1)
             tokens[row_t, j] = tok
             probs[row_t, j] = q
+            if guide:
+                guide.took(tok.tolist(), rows)
             feed, counts = tok[:, None], [1] * len(rows)  # [rows, 1]
+        guide.close()
         # d_K is never fed; commit() trims the cache to the prefix the round kept.
         return Proposal(tokens, list(ks), probs)
 

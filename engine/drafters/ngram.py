@@ -49,6 +49,11 @@ class NgramDrafter(DrafterBase):
             ngram_lookup(s.token_array(), k, self.min_n, self.max_n) if k > 0 else []
             for s, k in zip(seqs, ks)
         ]
+        # a grammar row drafts only the prefix its grammar allows (exact: q stays one-hot)
+        drafts = [
+            d[: s.matcher.validate_tokens(d)] if s.matcher is not None and d else d
+            for s, d in zip(seqs, drafts)
+        ]
         width = max([len(d) for d in drafts] + [0])
         padded = [d + [0] * (width - len(d)) for d in drafts]
         tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(

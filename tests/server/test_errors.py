@@ -74,7 +74,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({"logit_bias": {"49152": 10}}, "logit_bias"),  # outside the vocabulary
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # logprobs above the cap
         ({"speculation": {"k": 99}}, "speculation.k"),
