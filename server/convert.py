@@ -27,6 +27,7 @@ from .errors import APIError, bad
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .settings import ServerSettings
 from .structured import grammar_for
+from .tools import ToolMode, rendered, system_prompt, tool_mode
 
 log = logging.getLogger("specd.server")
 MIN_TEMPERATURE = 1e-5
@@ -53,6 +54,7 @@ class Job:
     n: int
     stop: list[str]
     echo: bool = False
+    tools: ToolMode | None = None  # chat with tools: the output is read as calls (tools.py)
 
 
 def check_model(name: str, served: list[str]) -> None:
@@ -225,7 +227,7 @@ def completion_job(
     return Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+def chat_prompt(req: ChatCompletionRequest, tokenizer, tools: ToolMode | None = None) -> list[int]:
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -238,8 +240,13 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
                     f"messages[{i}].content",
                 )
             content = ""
-        role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": content})
+        messages.append(rendered(m, content))
+    if tools is not None:  # the tools and the answer format lead the system prompt
+        head = system_prompt(req, tools)
+        if messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{head}\n\n{messages[0]['content']}"}
+        else:
+            messages.insert(0, {"role": "system", "content": head})
     try:  # a template may refuse the conversation (e.g. role order)
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
         return list(out["input_ids"])
@@ -259,20 +266,15 @@ def chat_job(
     grammars: GrammarCompiler,
 ) -> Job:
     _check_n(req, s)
-    if req.tools:
-        raise bad("tools are not supported by specd yet", "tools", "unsupported_parameter")
-    if req.tool_choice not in (None, "none"):
-        raise bad(
-            "tool_choice is not supported by specd yet", "tool_choice", "unsupported_parameter"
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
-    ids = chat_prompt(req, tokenizer)
+    tools = tool_mode(req)
+    ids = chat_prompt(req, tokenizer, tools)
     stop = _stops(req, s)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    grammar = grammar_for(req, grammars)
+    grammar = grammar_for(req, grammars, tools.schema if tools is not None else None)
     params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs, None, grammar)
-    return Job([ids], params, _spec(req, s, capacity), req.n, stop)
+    return Job([ids], params, _spec(req, s, capacity), req.n, stop, tools=tools)

@@ -21,6 +21,7 @@ from engine.worker import EngineError, Reservation
 from . import protocol as P
 from .errors import error_event, from_exception
 from .generation import ChoiceEvent, JobRun
+from .tools import ToolMode, finish_reason, read_output
 
 log = logging.getLogger("specd.server")
 
@@ -106,6 +107,44 @@ def stream_chunks(
         async with aclosing(run.events()) as events:
             async for ev in events:
                 yield data([choice(ev)])
+        if with_usage:
+            yield data([], usage(run))
+
+    return chunks()
+
+
+def tool_stream_chunks(
+    run: JobRun, build: Callable, head: list, mode: ToolMode, with_usage: bool
+) -> AsyncGenerator[dict, None]:
+    """The chunks of a streamed tool-mode chat answer: the role deltas, then, once a choice's
+    JSON is complete (it is read whole: server/tools.py), its ``delta.tool_calls`` (index, id,
+    name and arguments) or its content, and its finish reason; usage last when asked for."""
+
+    async def chunks():
+        def data(choices: list, usage: P.Usage | None = None) -> dict:
+            return {"data": build(choices, usage).model_dump_json()}
+
+        for c in head:
+            yield data([c])
+        texts: dict[int, str] = {}
+        async with aclosing(run.events()) as events:
+            async for ev in events:
+                texts[ev.index] = texts.get(ev.index, "") + ev.text
+                if not ev.finish_reason:
+                    continue
+                content, calls = read_output(texts[ev.index])
+                for k, call in enumerate(calls or []):
+                    fn = P.FunctionCallDelta(
+                        name=call.function.name, arguments=call.function.arguments
+                    )
+                    d = P.ToolCallDelta(index=k, id=call.id, type="function", function=fn)
+                    yield data([P.ChatChunkChoice(index=ev.index, delta=P.Delta(tool_calls=[d]))])
+                if content:
+                    yield data([P.ChatChunkChoice(index=ev.index, delta=P.Delta(content=content))])
+                reason = finish_reason(mode, calls, ev.finish_reason)
+                yield data(
+                    [P.ChatChunkChoice(index=ev.index, delta=P.Delta(), finish_reason=reason)]
+                )
         if with_usage:
             yield data([], usage(run))
 

@@ -33,9 +33,11 @@ from .responses import (
     completion_logprobs,
     envelope,
     stream_chunks,
+    tool_stream_chunks,
     usage,
 )
 from .settings import ServerSettings
+from .tools import finish_reason, read_output
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # metrics labels
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks for its client
@@ -162,18 +164,29 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                     logprobs=chat_logprobs([ev]) if req.logprobs else None,
                 )
 
-            chunks = stream_chunks(run, build, roles, choice, include_usage(req))
+            if job.tools is not None:
+                chunks = tool_stream_chunks(run, build, roles, job.tools, include_usage(req))
+            else:
+                chunks = stream_chunks(run, build, roles, choice, include_usage(req))
             return EventStream(chunks, run.reservation)
 
-        choices = [
-            P.ChatChoice(
-                index=i,
-                message=P.AssistantMessage(content="".join(e.text for e in evs)),
-                logprobs=chat_logprobs(evs) if req.logprobs else None,
-                finish_reason=_finish(evs),
+        choices = []
+        for i, evs in enumerate(await collect(request, run)):
+            text = "".join(e.text for e in evs)
+            content: str | None = text
+            calls = None
+            reason = _finish(evs)
+            if job.tools is not None:  # the answer's JSON read as calls or content
+                content, calls = read_output(text)
+                reason = finish_reason(job.tools, calls, reason)
+            choices.append(
+                P.ChatChoice(
+                    index=i,
+                    message=P.AssistantMessage(content=content, tool_calls=calls),
+                    logprobs=chat_logprobs(evs) if req.logprobs else None,
+                    finish_reason=reason,
+                )
             )
-            for i, evs in enumerate(await collect(request, run))
-        ]
         build = envelope(P.ChatCompletionResponse, run, req.model, created, s.fingerprint)
         return build(choices, usage(run))
 

@@ -53,10 +53,13 @@ def _requested(req: _Sampling) -> list[tuple[str, str]]:
     return out
 
 
-def grammar_for(req: _Sampling, grammars: GrammarCompiler) -> str | None:
-    """The request's one grammar (None: free text); 400 for two constraints or a bad one."""
+def grammar_for(req: _Sampling, grammars: GrammarCompiler, tools: dict | None = None) -> str | None:
+    """The request's one grammar (None: free text); ``tools``: the schema of a tool-calling
+    answer (server/tools.py). 400 for two constraints or a bad one."""
     try:
         found = _requested(req)
+        if tools is not None:
+            found.append(("tools", _json(tools)))
     except ValueError as e:  # a schema / regex / grammar llguidance cannot read
         raise bad(
             f"structured output cannot be compiled: {str(e)[:300]}", "response_format"

@@ -59,7 +59,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
             None,
         ),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),  # unknown role
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10**9}, "max_tokens"),
@@ -73,7 +72,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({"logit_bias": {"five": 10}}, "logit_bias"),
         ({"logit_bias": {"49152": 10}}, "logit_bias"),  # outside the vocabulary
         ({"logit_bias": {"5": 101}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # logprobs above the cap
         ({"speculation": {"k": 99}}, "speculation.k"),

@@ -1,0 +1,153 @@
+"""Tool calling through the official client on the real model, for every tool_choice, streamed
+and not: calls come back as OpenAI's message.tool_calls / delta.tool_calls with arguments that
+validate against the tool's parameters; earlier calls and tool results round-trip in the
+history; inconsistent tool requests get a 400."""
+
+import json
+
+import jsonschema_rs
+import openai
+import pytest
+
+from tests.conftest import MODEL
+
+pytestmark = pytest.mark.real_model
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CHOICES = ["required", {"type": "function", "function": {"name": "get_time"}}, "auto", "none"]
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=300)
+
+
+def check_calls(calls, allowed):
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("call_") and c.function.name in allowed
+        args = json.loads(c.function.arguments)
+        assert jsonschema_rs.validator_for(tools[c.function.name]).is_valid(args)
+
+
+@pytest.mark.parametrize("choice", CHOICES, ids=["required", "named", "auto", "none"])
+def test_tool_choice_streamed_and_not(client, choice):
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice)
+    kw |= dict(temperature=0, max_tokens=120)
+    r = client.chat.completions.create(**kw)
+    m, reason = r.choices[0].message, r.choices[0].finish_reason
+    if choice == "none":
+        assert m.tool_calls is None and m.content and reason in ("stop", "length")
+        return
+    if choice == "auto" and m.tool_calls is None:  # a plain answer (cut or not)
+        assert m.content and reason in ("stop", "length")
+    else:
+        named = isinstance(choice, dict)
+        allowed = {"get_time"} if named else {"get_weather", "get_time"}
+        assert m.content is None and m.tool_calls
+        check_calls(m.tool_calls, allowed)
+        assert reason == ("stop" if named else "tool_calls")
+        if named:
+            assert len(m.tool_calls) == 1
+    streamed: dict[int, dict] = {}
+    content, last = "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            entry = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        last = chunk.choices[0].finish_reason or last
+    assert last == reason
+    if m.tool_calls:
+        want = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+        assert [streamed[i] for i in sorted(streamed)] == want
+    else:
+        assert content == m.content
+
+
+def test_history_with_calls_and_results_and_single_calls(client):
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18, "sky": "clear"}'},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=80
+    )
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    one = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=2,
+        n=3,
+        max_tokens=120,
+    )
+    for c in one.choices:
+        assert len(c.message.tool_calls) == 1
+
+
+@pytest.mark.parametrize(
+    "patch,param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
+    ],
+)
+def test_bad_tool_requests(live, patch, param):
+    import httpx
+
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **patch}
+    r = httpx.post(f"{live.base_url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
