@@ -1,12 +1,31 @@
-"""The ``specd`` command.
+"""NAME
+    specd - an OpenAI-compatible inference server with lossless speculative decoding
 
-specd serve    [--config FILE] [--host H] [--port P] [--dtype D] [--device D] [--api-key K]
-               start the OpenAI-compatible server (flags > SPECD_* env > config file)
-specd prepare  [--config FILE]            convert the configured model(s) once (GGUF -> safetensors)
-specd generate [--config FILE] PROMPT...  run the engine directly on chat prompts and print the
-                                          output with speculation stats
-specd train-drafter [--config FILE] [--only distill|fit]
-               train the EAGLE-3 head (train/pipeline.py; default configs/train/smollm2-eagle3.yaml)
+SYNOPSIS
+    specd serve [MODEL] [--drafter eagle[:PATH]|ngram|model:PATH|none] [--k-max N]
+                [--max-model-len N] [--max-running N] [--dtype D] [--device D]
+                [--host H] [--port P] [--api-key K] [--served-model-name NAME] [--config FILE]
+    specd prepare [MODEL] [--config FILE]
+    specd generate [--model MODEL] [--config FILE] [--k K] [--max-tokens N] PROMPT...
+    specd train-drafter [--config FILE] [--only distill|original|fit]
+
+DESCRIPTION
+    serve          Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /ready and
+                   /metrics. MODEL (default: the config's, SmolLM2-135M-Instruct) is a GGUF
+                   file, a folder of safetensors, a Hub id or a pkg:PACKAGE/FILE spec.
+    prepare        Convert the model once (GGUF -> a safetensors cache) ahead of serving.
+    generate       Run the engine on chat prompts and print the output with speculation stats.
+    train-drafter  Train the EAGLE-3 head (train/pipeline.py).
+
+    Every flag of serve can also come from the environment, SPECD_<FLAG> (e.g. SPECD_PORT,
+    SPECD_DRAFTER, SPECD_MAX_RUNNING); a flag beats the environment, the environment beats the
+    config file (--config, default configs/default.yaml), which sets everything else.
+
+EXAMPLES
+    specd serve                                   # the embedded CPU default
+    specd serve ./my-model --drafter ngram --k-max 6 --port 8080
+    specd serve model.gguf --drafter model:./draft-model --max-running 8
+    SPECD_API_KEY=secret specd serve --config configs/cpu-eagle.yaml
 """
 
 from __future__ import annotations
@@ -17,19 +36,51 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+DEFAULT_HEAD = str(ROOT / "models" / "smollm2-135m-eagle3")  # SmolLM2's EAGLE-3 head
+
+
+def _env_or(args, name: str):
+    """A flag's value, else its SPECD_<NAME> environment variable (None: neither)."""
+    import os
+
+    value = getattr(args, name, None)
+    return value if value is not None else os.environ.get(f"SPECD_{name.upper()}")
 
 
 def _config(args):
-    import os
-
     from engine.config import EngineConfig
 
     cfg = EngineConfig.from_yaml(args.config)
+    model = _env_or(args, "model")
+    if model:
+        cfg.model.source = model
+        cfg.model.name = Path(model.split(":")[-1].rstrip("/")).name.removesuffix(".gguf")
     for name in ("dtype", "device"):  # flag > env > file
-        value = getattr(args, name, None) or os.environ.get(f"SPECD_{name.upper()}")
+        value = _env_or(args, name)
         if value:
             setattr(cfg.model, name, value)
+    drafter = _env_or(args, "drafter")
+    if drafter:
+        method, _, source = drafter.partition(":")
+        method = {"eagle": "eagle3"}.get(method, method)
+        if method not in ("eagle3", "ngram", "model", "self", "none"):
+            raise SystemExit(f"specd: unknown --drafter {drafter!r}")
+        if method == "model" and not source:
+            raise SystemExit("specd: --drafter model:PATH needs the draft model's PATH")
+        cfg.drafter.method = method
+        if source or method == "eagle3":
+            cfg.drafter.source = source or cfg.drafter.source or DEFAULT_HEAD
+    for name, field, cast in (
+        ("k_max", "k_max", int),
+        ("max_model_len", "max_model_len", int),
+        ("max_running", "max_running", int),
+    ):
+        value = _env_or(args, name)
+        if value is not None:
+            target = cfg.drafter if name == "k_max" else cfg
+            setattr(target, field, cast(value))
     return cfg
 
 
@@ -46,6 +97,7 @@ def cmd_serve(args) -> int:
         "host": args.host,
         "port": args.port,
         "api_keys": [args.api_key] if args.api_key else None,
+        "served_model_names": [args.served_model_name] if args.served_model_name else None,
     }
     settings = ServerSettings.from_sources(data.get("server"), flags=flags)
     logging.basicConfig(
@@ -78,8 +130,6 @@ def cmd_generate(args) -> int:
     from engine.sequence import SpecParams
 
     cfg = _config(args)
-    if args.drafter:
-        cfg.drafter.method = args.drafter
     built = build_engine(cfg)
     tok: Any = built.tokenizer
     engine = built.engine
@@ -118,18 +168,61 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="specd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("serve", "prepare", "generate"):
-        p = sub.add_parser(name)
-        p.add_argument("--config", default=str(DEFAULT_CONFIG))
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-        p.add_argument("--device", choices=["cpu", "cuda", "auto"])
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    helps = {
+        "serve": "serve the OpenAI-compatible API",
+        "prepare": "convert the model once, ahead of serving",
+        "generate": "run the engine on chat prompts (no server)",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, description=text)
+        model_help = (
+            "GGUF file, safetensors folder, Hub id or pkg:PACKAGE/FILE (env SPECD_MODEL; "
+            "default: the config's)"
+        )
+        if name == "generate":  # (its positionals are the prompts)
+            p.add_argument("--model", help=model_help)
+        else:
+            p.add_argument("model", nargs="?", metavar="MODEL", help=model_help)
+        p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config file (YAML)")
+        p.add_argument(
+            "--dtype",
+            choices=["float32", "bfloat16", "float16"],
+            help="weights and activations (env SPECD_DTYPE)",
+        )
+        p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="(env SPECD_DEVICE)")
+        if name in ("serve", "generate"):
+            p.add_argument(
+                "--drafter",
+                metavar="eagle[:PATH]|ngram|model:PATH|none",
+                help="what drafts: an EAGLE-3 head (default PATH: SmolLM2's, "
+                "models/smollm2-135m-eagle3), prompt lookup, a draft model sharing the "
+                "tokenizer, or none (env SPECD_DRAFTER)",
+            )
+            p.add_argument("--k-max", type=int, help="largest draft length K (env SPECD_K_MAX)")
+            p.add_argument(
+                "--max-model-len",
+                type=int,
+                help="tokens per sequence, prompt + output (env SPECD_MAX_MODEL_LEN)",
+            )
+            p.add_argument(
+                "--max-running",
+                type=int,
+                help="sequences decoded together = KV cache slots (env SPECD_MAX_RUNNING)",
+            )
         if name == "serve":
-            p.add_argument("--host")
-            p.add_argument("--port", type=int)
-            p.add_argument("--api-key")
+            p.add_argument("--host", help="listen address (env SPECD_HOST; default 127.0.0.1)")
+            p.add_argument("--port", type=int, help="listen port (env SPECD_PORT; default 8000)")
+            p.add_argument(
+                "--api-key",
+                help="required Bearer key (env SPECD_API_KEY=k1,k2 or SPECD_API_KEYS_FILE)",
+            )
+            p.add_argument(
+                "--served-model-name",
+                help="the name /v1/models answers (env SPECD_SERVED_MODEL_NAMES)",
+            )
         if name == "generate":
-            p.add_argument("prompt", nargs="+")
+            p.add_argument("prompt", nargs="+", help="chat prompts, run together")
             p.add_argument("--max-tokens", type=int, default=128)
             p.add_argument("--temperature", type=float, default=0.0)
             p.add_argument("--seed", type=int)
@@ -140,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                 help="fixed draft length (0 = plain decoding; default: the config's "
                 "K controller, adaptive)",
             )
-            p.add_argument("--drafter", choices=["ngram", "self", "layers", "none"])
     from train.pipeline import add_arguments as train_arguments
 
-    train_arguments(sub.add_parser("train-drafter", help="train the EAGLE-3 head"))
+    train_arguments(
+        sub.add_parser(
+            "train-drafter", help="train the EAGLE-3 head", description="train the EAGLE-3 head"
+        )
+    )
     args = ap.parse_args(argv)
     if args.cmd == "train-drafter":
         from train.pipeline import run

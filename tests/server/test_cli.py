@@ -1,0 +1,66 @@
+"""The specd command line: the model as the first argument, vLLM / llama.cpp style flags, each
+also from its SPECD_* environment variable (flag > environment > config file)."""
+
+import argparse
+
+import pytest
+
+from server import cli
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """serve's arguments, as main() parses them (without running anything)."""
+    seen = {}
+    real = cli.cmd_serve
+    cli.cmd_serve = lambda args: seen.setdefault("args", args) and 0
+    try:
+        cli.main(["serve", *argv])
+    finally:
+        cli.cmd_serve = real
+    return seen["args"]
+
+
+def test_model_and_flags_override_the_config(monkeypatch):
+    monkeypatch.delenv("SPECD_DRAFTER", raising=False)
+    args = parse(
+        ["/models/My-Model.gguf", "--drafter", "model:/models/draft", "--k-max", "5"]
+        + ["--max-model-len", "1024", "--max-running", "3", "--dtype", "float32"]
+    )
+    cfg = cli._config(args)
+    assert cfg.model.source == "/models/My-Model.gguf" and cfg.model.name == "My-Model"
+    assert (cfg.drafter.method, cfg.drafter.source, cfg.drafter.k_max) == (
+        "model",
+        "/models/draft",
+        5,
+    )
+    assert (cfg.max_model_len, cfg.max_running, cfg.model.dtype) == (1024, 3, "float32")
+
+
+def test_environment_fills_what_flags_leave(monkeypatch):
+    monkeypatch.setenv("SPECD_DRAFTER", "eagle")
+    monkeypatch.setenv("SPECD_MAX_RUNNING", "5")
+    cfg = cli._config(parse(["--max-running", "2"]))
+    assert cfg.drafter.method == "eagle3" and cfg.drafter.source.endswith("smollm2-135m-eagle3")
+    assert cfg.max_running == 2  # the flag wins
+    monkeypatch.setenv("SPECD_DRAFTER", "none")
+    assert cli._config(parse([])).drafter.method == "none"
+
+
+@pytest.mark.parametrize("bad", ["telepathy", "model"])
+def test_bad_drafter_is_refused(monkeypatch, bad):
+    monkeypatch.delenv("SPECD_DRAFTER", raising=False)
+    with pytest.raises(SystemExit):
+        cli._config(parse(["--drafter", bad]))
+
+
+def test_help_reads_like_a_man_page(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "NAME" in out and "SYNOPSIS" in out and "EXAMPLES" in out and "``" not in out
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--drafter", "--k-max", "--max-model-len", "--max-running", "--port"):
+        assert flag in out
+    assert "SPECD_MAX_RUNNING" in out
