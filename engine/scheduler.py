@@ -111,7 +111,8 @@ class Scheduler:
                 ),
                 None,
             )
-            if s.lead is None and len(self.prefilling) >= self.max_prefill_per_step:
+            prefilling = sum(p.lead is None for p in self.prefilling)  # followers feed nothing
+            if s.lead is None and prefilling >= self.max_prefill_per_step:
                 return
             if held.get(s.group, 0) >= self.max_slots_per_group or (
                 s.lead is None and seats.get(s.group, 0) >= self.max_prefill_per_group

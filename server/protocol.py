@@ -202,24 +202,24 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class _Sparse(BaseModel):
+    """A stream delta: only the keys it carries (OpenAI leaves absent ones out, never null)."""
 
     @model_serializer(mode="wrap")
     def _present_keys(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ToolCallDelta(BaseModel):
+class FunctionCallDelta(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Sparse):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: FunctionCallDelta | None = None
-
-    @model_serializer(mode="wrap")
-    def _present_keys(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -239,17 +239,13 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
 
 
-class Delta(BaseModel):
-    """A stream chunk's delta: only the keys it carries (OpenAI sends ``role`` in the first
-    chunk only, and an empty ``{}`` with the finish reason)."""
+class Delta(_Sparse):
+    """A stream chunk's delta (OpenAI sends ``role`` in the first chunk only, and an empty
+    ``{}`` with the finish reason)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _present_keys(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
