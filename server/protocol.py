@@ -8,7 +8,7 @@ honour are accepted by the schema and refused with a 400 by the conversion, neve
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -19,6 +19,21 @@ class _Req(BaseModel):
     # unknown fields are ignored, as OpenAI's API does for forward compatibility; NaN and
     # infinities (which Python's JSON parser accepts) are refused in every number
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class _Omit(BaseModel):
+    """Response keys in ``omit_null`` ("*": all) are left out when None (OpenAI's, never null)."""
+
+    omit_null: ClassVar[tuple[str, ...]] = ("*",)
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        keys = self.omit_null
+        return {
+            k: v
+            for k, v in handler(self).items()
+            if v is not None or not ("*" in keys or k in keys)
+        }
 
 
 class StreamOptions(_Req):
@@ -170,7 +185,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Omit):
+    omit_null = ("usage",)  # a streamed chunk's until the last: the spec has no null usage
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -195,27 +212,21 @@ class ChoiceLogprobs(BaseModel):
     refusal: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_Omit):
+    omit_null = ("tool_calls",)  # left out when there are none
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
-class _Sparse(BaseModel):
-    """A stream delta: only the keys it carries (OpenAI leaves absent ones out, never null)."""
-
-    @model_serializer(mode="wrap")
-    def _present_keys(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class FunctionCallDelta(_Sparse):
+class FunctionCallDelta(_Omit):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallDelta(_Sparse):
+class ToolCallDelta(_Omit):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
@@ -239,7 +250,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str
 
 
-class Delta(_Sparse):
+class Delta(_Omit):
     """A stream chunk's delta (OpenAI sends ``role`` in the first chunk only, and an empty
     ``{}`` with the finish reason)."""
 
