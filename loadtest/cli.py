@@ -72,6 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--duration", type=float, default=600.0, help="time bound per run, seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    ap.add_argument(
+        "--max-retries",
+        type=int,
+        default=0,
+        help="the openai client's retries of a failed connection (0: every failure counts; "
+        "2, the client's default, for servers that drop idle keep-alive connections)",
+    )
     ap.add_argument("--modes", default="default", help="comma list: default|on, off, kN")
     ap.add_argument("--ab", action="store_true", help="same as --modes on,off")
     ap.add_argument("--repeat", type=int, default=1)
@@ -100,7 +107,7 @@ async def run_once(
     async with openai.AsyncOpenAI(
         base_url=args.base_url,
         api_key=args.api_key,
-        max_retries=0,
+        max_retries=args.max_retries,
         timeout=args.timeout,
         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=1024)),
     ) as client:

@@ -56,9 +56,10 @@ def llama_server(binary: str, config: str, flags: list[str], out: Path):
     return spawn(argv, ready_path="/health", name="llama-server", log=out / "llama-server.log")
 
 
-def drive(base_url: str, data: Path, args, modes: str, out: Path) -> dict:
-    """``python -m loadtest`` over the mix at every concurrency, ``modes`` interleaved."""
-    largs = ["--base-url", base_url, "--workload", f"jsonl:{data}"]
+def drive(base_url: str, data: Path, args, modes: str, out: Path, retries: int = 0) -> dict:
+    """``python -m loadtest`` over the mix at every concurrency, ``modes`` interleaved;
+    ``retries``: the client's (llama-server drops idle keep-alive connections)."""
+    largs = ["--base-url", base_url, "--workload", f"jsonl:{data}", "--max-retries", str(retries)]
     largs += ["--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency]
     largs += ["--modes", modes, "--repeat", str(args.repeat)]
     largs += ["--no-progress", "--no-plots", "--out", str(out)]
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += table_rows(res, name, lambda mode, n=name: n if mode == "on" else "plain")
     for name, flags in LLAMA.items() if args.llama_server else ():
         with llama_server(args.llama_server, args.config, flags, out) as server:
-            res = drive(server.base_url, data, args, "default", out / name)
+            res = drive(server.base_url, data, args, "default", out / name, retries=2)
         rows += table_rows(res, name, lambda _, f=flags: "ngram-mod" if f else "plain")
     (out / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
     lines = [
