@@ -13,9 +13,10 @@ sequence's committed output. In a round:
     nonzero masked probability, a recovered or bonus token is drawn from the masked p).
 
 So every emitted token is sampled exactly from the masked (processed) target distribution, with
-or without speculation, for any drafter. The drafter itself drafts unconstrained (lossless for
-any draft distribution; its wasted drafts only cost acceptance). The masks are computed on the
-host (llguidance, ~tens of microseconds a mask) and need the drafted ids on the host.
+or without speculation, for any drafter and any draft distribution. For acceptance, drafters
+that draft step by step draw from the masked q (:class:`DraftGrammar`) and the n-gram drafter
+proposes only the prefix the grammar allows. The masks are computed on the host (llguidance,
+~30-150 us a mask here) and need the drafted ids on the host.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from .sequence import Sequence
 
 class GrammarCompiler:
     """Matchers for grammars over one tokenizer. llguidance reads the tokenizer's vocabulary
-    once, at the first grammar (so servers that never see one never pay for it)."""
+    once, at the first grammar (so servers that never see one never pay for it); the result is
+    read-only, so the HTTP thread's checks and the engine share one compiler."""
 
     def __init__(self, hf_tokenizer, vocab_size: int):
         self.hf_tokenizer, self.vocab_size = hf_tokenizer, vocab_size

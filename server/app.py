@@ -37,6 +37,7 @@ def create_app(
     capacity: EngineCapacity,
     settings: ServerSettings,
     metrics: Metrics | None = None,
+    grammars: GrammarCompiler | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="specd",
@@ -119,7 +120,8 @@ def create_app(
         check_model(model, served)
         return P.ModelCard(id=model, created=started)
 
-    grammars = GrammarCompiler(tokenizer, capacity.vocab_size)
+    if grammars is None:  # (assembly passes the engine's: llguidance reads the vocabulary once)
+        grammars = GrammarCompiler(tokenizer, capacity.vocab_size)
     serving = Serving(worker, tokenizer, served, capacity, settings, metrics, fingerprint, grammars)
     add_generation_routes(app, serving)
     return app

@@ -44,7 +44,11 @@ def assemble(built: Built, settings: ServerSettings, *, engine_thread: bool) -> 
     """The server of ``built`` (its worker admits ``config.max_queued`` beyond the slots)."""
     worker = EngineWorker(built.engine, max_queued=built.config.max_queued)
     model = built.config.model.name
-    app = create_app(worker, built.tokenizer, model, engine_capacity(built), settings)
+    capacity = engine_capacity(built)
+    grammars = (
+        built.engine.grammars
+    )  # read-only after start: shared by HTTP's checks and the engine
+    app = create_app(worker, built.tokenizer, model, capacity, settings, grammars=grammars)
     return Server(app, settings, worker, engine_thread=engine_thread)
 
 

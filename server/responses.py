@@ -10,7 +10,7 @@ completed, failed, disconnected, or dropped by the transport for a reader that s
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 
 from pydantic import BaseModel
@@ -92,11 +92,11 @@ def stream_chunks(
     run: JobRun,
     build: Callable,
     head: list,
-    choice: Callable[[ChoiceEvent], BaseModel],
+    choices: Callable[[ChoiceEvent], Sequence[BaseModel]],
     with_usage: bool,
 ) -> AsyncGenerator[dict, None]:
     """The chunks of a streamed response: one per ``head`` choice (role deltas, echoed
-    prompts), one per event, then usage when asked for."""
+    prompts), one per choice ``choices(event)`` gives for each event, then usage when asked."""
 
     async def chunks():
         def data(choices: list, usage: P.Usage | None = None) -> dict:
@@ -106,49 +106,37 @@ def stream_chunks(
             yield data([c])
         async with aclosing(run.events()) as events:
             async for ev in events:
-                yield data([choice(ev)])
+                for c in choices(ev):
+                    yield data([c])
         if with_usage:
             yield data([], usage(run))
 
     return chunks()
 
 
-def tool_stream_chunks(
-    run: JobRun, build: Callable, head: list, mode: ToolMode, with_usage: bool
-) -> AsyncGenerator[dict, None]:
-    """The chunks of a streamed tool-mode chat answer: the role deltas, then, once a choice's
-    JSON is complete (it is read whole: server/tools.py), its ``delta.tool_calls`` (index, id,
-    name and arguments) or its content, and its finish reason; usage last when asked for."""
+def tool_choices(mode: ToolMode) -> Callable[[ChoiceEvent], list[BaseModel]]:
+    """A tool-mode chat stream's chunk choices per event: nothing until a choice's JSON is
+    complete (it is read whole: server/tools.py), then its ``delta.tool_calls`` (index, id,
+    name and arguments) or its content, and its finish reason."""
+    texts: dict[int, str] = {}
 
-    async def chunks():
-        def data(choices: list, usage: P.Usage | None = None) -> dict:
-            return {"data": build(choices, usage).model_dump_json()}
+    def choices(ev: ChoiceEvent) -> list[BaseModel]:
+        texts[ev.index] = texts.get(ev.index, "") + ev.text
+        if not ev.finish_reason:
+            return []
+        content, calls = read_output(texts[ev.index])
+        out: list[BaseModel] = []
+        for k, call in enumerate(calls or []):
+            fn = P.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments)
+            d = P.ToolCallDelta(index=k, id=call.id, type="function", function=fn)
+            out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(tool_calls=[d])))
+        if content:
+            out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(content=content)))
+        reason = finish_reason(mode, calls, ev.finish_reason)
+        out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(), finish_reason=reason))
+        return out
 
-        for c in head:
-            yield data([c])
-        texts: dict[int, str] = {}
-        async with aclosing(run.events()) as events:
-            async for ev in events:
-                texts[ev.index] = texts.get(ev.index, "") + ev.text
-                if not ev.finish_reason:
-                    continue
-                content, calls = read_output(texts[ev.index])
-                for k, call in enumerate(calls or []):
-                    fn = P.FunctionCallDelta(
-                        name=call.function.name, arguments=call.function.arguments
-                    )
-                    d = P.ToolCallDelta(index=k, id=call.id, type="function", function=fn)
-                    yield data([P.ChatChunkChoice(index=ev.index, delta=P.Delta(tool_calls=[d]))])
-                if content:
-                    yield data([P.ChatChunkChoice(index=ev.index, delta=P.Delta(content=content))])
-                reason = finish_reason(mode, calls, ev.finish_reason)
-                yield data(
-                    [P.ChatChunkChoice(index=ev.index, delta=P.Delta(), finish_reason=reason)]
-                )
-        if with_usage:
-            yield data([], usage(run))
-
-    return chunks()
+    return choices
 
 
 async def _events(body: AsyncGenerator[dict, None]) -> AsyncGenerator[dict, None]:

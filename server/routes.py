@@ -33,7 +33,7 @@ from .responses import (
     completion_logprobs,
     envelope,
     stream_chunks,
-    tool_stream_chunks,
+    tool_choices,
     usage,
 )
 from .settings import ServerSettings
@@ -125,7 +125,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                 )
 
             head = echoed if echo_first else []
-            chunks = stream_chunks(run, build, head, choice, include_usage(req))
+            chunks = stream_chunks(run, build, head, lambda ev: [choice(ev)], include_usage(req))
             return EventStream(chunks, run.reservation)
 
         choices = []
@@ -164,10 +164,10 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                     logprobs=chat_logprobs([ev]) if req.logprobs else None,
                 )
 
-            if job.tools is not None:
-                chunks = tool_stream_chunks(run, build, roles, job.tools, include_usage(req))
-            else:
-                chunks = stream_chunks(run, build, roles, choice, include_usage(req))
+            per_event = (
+                tool_choices(job.tools) if job.tools is not None else lambda ev: [choice(ev)]
+            )
+            chunks = stream_chunks(run, build, roles, per_event, include_usage(req))
             return EventStream(chunks, run.reservation)
 
         choices = []
