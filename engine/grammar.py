@@ -98,9 +98,10 @@ class DraftGrammar:
     """The grammar rows of one proposal, for a drafter that drafts step by step: each step's
     logits are masked to what the grammar allows after the tokens drafted so far (so the draft
     distribution q it reports is the masked one, and it never drafts a refused token), and the
-    matchers roll back when the proposal is done (:meth:`close`). A row whose allowed tokens all
-    lie outside the drafter's support keeps its unmasked q from there on (its drafts will be
-    rejected: the target gives them probability 0)."""
+    matchers roll back when the proposal is done (:meth:`close`). At a step where a row's
+    allowed tokens all lie outside the drafter's support, the row keeps its unmasked q and its
+    matcher does not take the draft (the target gives that draft probability 0, so it and every
+    later draft of the row are rejected, whatever masks the later steps get)."""
 
     def __init__(self, seqs: list[Sequence]):
         self.seqs = seqs
