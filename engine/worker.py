@@ -11,7 +11,9 @@ lock, the reserved total stays within ``num_slots + max_queued``. Outputs travel
 request's bounded :class:`~engine.channel.Channel`: a reader that stops never blocks the engine.
 A failed step fails the requests in it (holding a slot, or taken from the queue by it); queued
 ones stay queued. An exception that escapes the loop stops the worker: ``healthy`` turns false,
-every open request gets an :class:`EngineError`, nothing is admitted again.
+every open request gets an :class:`EngineError`, nothing is admitted again. A drain
+(:meth:`EngineWorker.shutdown`) ends the loop only when every admitted request is over or the
+deadline has passed; then each one left gets a :class:`DrainTimeoutError`, never silence.
 """
 
 from __future__ import annotations
@@ -24,68 +26,22 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
 
+from .admission import (
+    DrainTimeoutError,
+    EngineError,
+    NotAcceptingError,
+    QueueFullError,
+    Reservation,
+)
 from .channel import Channel
-from .engine import EngineLoad, StepOutput
+from .engine import StepOutput
+from .engine_protocol import Engine
 from .sampling import SamplingParams
 from .sequence import SpecParams
 
 log = logging.getLogger("specd.worker")
-
-
-class Engine(Protocol):
-    """What the worker drives (engine/engine.py's SpecEngine). ``lossless`` is false when a
-    benchmark swapped the acceptance rule; ``num_slots``: sequences that can hold a KV slot."""
-
-    @property
-    def lossless(self) -> bool: ...
-    @property
-    def num_slots(self) -> int: ...
-
-    def add_request(  # (request_id, prompt_ids, params, spec, group)
-        self, rid: str, ids: list[int], p: SamplingParams, s: SpecParams | None, g: str | None, /
-    ) -> object: ...
-
-    def abort(self, request_id: str) -> bool: ...
-    def step(self) -> list[StepOutput]: ...
-    def has_work(self) -> bool: ...
-    def needs_warm_up(self) -> bool: ...
-    def warm_up(self) -> None: ...
-    def load(self) -> EngineLoad: ...
-    def held_ids(self) -> list[str]: ...  # requests holding a KV slot
-    def waiting_ids(self) -> list[str]: ...  # requests queued for one
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (the request is over)."""
-
-
-class QueueFullError(RuntimeError):
-    """More requests in flight than running slots + queue allow (the server answers 429)."""
-
-
-class NotAcceptingError(RuntimeError):
-    """The worker is not running, is warming up or is shutting down (the server answers 503)."""
-
-
-class Reservation:
-    """Room for ``count`` requests in a worker, from :meth:`EngineWorker.reserve` until
-    :meth:`release` (idempotent; also on leaving a ``with`` block)."""
-
-    def __init__(self, count: int, give_back: Callable[[int], None]):
-        self.count, self._give_back = count, give_back
-
-    def release(self) -> None:
-        count, self.count = self.count, 0
-        if count:
-            self._give_back(count)
-
-    def __enter__(self) -> Reservation:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+CUT = "the server shut down before this response finished"  # a drain's deadline passed
 
 
 class EngineWorker:
@@ -133,14 +89,33 @@ class EngineWorker:
             self.warmed.set()
 
     def shutdown(self, timeout: float = 10.0, wait: bool = True) -> None:
-        """Stop admitting, let open requests finish for up to ``timeout`` seconds, then fail what
-        is left and end the loop; ``wait``: until a :meth:`start` thread has ended (without it,
-        safe in a signal handler)."""
+        """Drain: stop admitting (``accepting`` turns false at once), let every request the
+        worker holds finish for up to ``timeout`` seconds — admitted ones whose submission has
+        not arrived yet, queued and running ones — then answer what is left with a
+        :class:`DrainTimeoutError` and end the loop. ``wait``: until a :meth:`start` thread has
+        ended (without it, safe in a signal handler). A second call can only shorten the
+        deadline."""
         self._accepting = False
-        self._drain_deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
+        if self._drain_deadline is None or deadline < self._drain_deadline:
+            self._drain_deadline = deadline
+            expire = threading.Timer(timeout, self._answer_all, (DrainTimeoutError(CUT),))
+            expire.daemon = True  # on time even while a step outlasts the deadline (busy CPU)
+            expire.start()
         self._wake.set()
         if wait and self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout + 10)
+
+    @property
+    def accepting(self) -> bool:
+        """Admitting new requests: running, healthy, warmed up and not draining (``/ready``)."""
+        ok = self.running and self.healthy and not self._closed
+        return ok and self._accepting and self.warmed.is_set()
+
+    @property
+    def draining(self) -> bool:
+        """:meth:`shutdown` was called: nothing new is admitted, what is held finishes."""
+        return not self._accepting
 
     @property
     def in_flight(self) -> int:  # room held by live reservations: admitted, not over yet
@@ -150,7 +125,9 @@ class EngineWorker:
     def reserve(self, count: int) -> Reservation:
         """Admit ``count`` requests (the one admission check; call it before answering 200)."""
         with self._lock:
-            if not (self._accepting and self.running and self.healthy) or self._closed:
+            if not self._accepting:
+                raise NotAcceptingError("the server is shutting down; retry on another replica")
+            if not (self.running and self.healthy) or self._closed:
                 raise NotAcceptingError("the engine is not accepting requests")
             if not self.warmed.is_set():
                 raise NotAcceptingError("the engine is warming up (compiling); retry shortly")
@@ -246,17 +223,22 @@ class EngineWorker:
             self.healthy = False
             self._close(EngineError("the engine stopped"))
             return e
-        self._close(EngineError("the server is shutting down"))
+        self._close(DrainTimeoutError(CUT))
         return None
+
+    def _holds_requests(self) -> bool:
+        """Admitted requests not over yet: reserved (a submission may still be on its way),
+        registered, or in the inbox."""
+        return self._reserved > 0 or bool(self._channels) or not self._inbox.empty()
 
     def _loop(self) -> None:
         e = self.engine
-        while self._drain_deadline is None or (
-            self._channels and time.monotonic() < self._drain_deadline
+        while (deadline := self._drain_deadline) is None or (
+            self._holds_requests() and time.monotonic() < deadline
         ):
             self._drain_inbox()
             if not e.has_work():
-                self._wake.wait(0.5)
+                self._wake.wait(0.5 if deadline is None else 0.05)
                 self._wake.clear()
                 continue
             in_step = e.held_ids() + e.waiting_ids()
@@ -285,14 +267,20 @@ class EngineWorker:
                 self.engine.abort(rid)
                 self._send(rid, err)
 
-    def _close(self, err: EngineError) -> None:
-        """The loop is over: refuse new work, answer every open request with ``err``, free what
-        the engine still holds."""
+    def _answer_all(self, err: EngineError) -> None:
+        """Refuse new work and answer every open request with ``err`` (any thread: a drain's
+        deadline timer calls it while the engine thread may still be inside a step)."""
         with self._lock:
-            self._closed, self.running = True, False
+            self._closed = True
             channels = list(self._channels.values())
         for ch in channels:
             ch.put(err)
+
+    def _close(self, err: EngineError) -> None:
+        """The loop is over: refuse new work, answer every open request with ``err``, free what
+        the engine still holds."""
+        self._answer_all(err)
+        self.running = False
         try:
             for rid in self.engine.held_ids() + self.engine.waiting_ids():
                 self.engine.abort(rid)

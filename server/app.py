@@ -1,10 +1,11 @@
 """The FastAPI application: OpenAI-compatible routes over an :class:`EngineWorker`.
 
 Routes: the generation routes (server/routes.py), ``GET /v1/models``, and, open without an API
-key, ``GET /health`` (liveness), ``GET /ready`` (503 until the engine loop runs, is warmed up and
-healthy) and ``GET /metrics`` (Prometheus). Middleware, outermost first: CORS (only when
-origins are configured), the API key guard and request counts, body limits
-(server/middleware.py). Every error answers in OpenAI's shape (server/errors.py).
+key, ``GET /health`` (liveness: 200 while the process serves HTTP, draining included),
+``GET /ready`` (readiness: 503 until the engine loop runs, is warmed up and healthy, and again
+from the moment a drain starts) and ``GET /metrics`` (Prometheus). Middleware, outermost
+first: CORS (only when origins are configured), the API key guard and request counts, body
+limits (server/middleware.py). Every error answers in OpenAI's shape (server/errors.py).
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def create_app(
 
     @app.get("/ready", responses={503: ERROR_RESPONSES[503]})
     async def ready():
-        if not (worker.running and worker.healthy and worker.warmed.is_set()):
-            not_ready = APIError(503, "engine not ready", "server_error", None, NOT_READY)
+        if not worker.accepting:
+            why = "the server is shutting down" if worker.draining else "engine not ready"
+            not_ready = APIError(503, why, "server_error", None, NOT_READY)
             return error_response(not_ready)
         return {"status": "ready", **worker.stats()}
 

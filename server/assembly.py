@@ -11,9 +11,12 @@ its port is known (port 0: any free port) and connections made at once wait in i
 from __future__ import annotations
 
 import logging
+import math
+import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,7 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specd.server")
 STARTUP_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 15.0
+DRAIN_FLUSH_S = 2.0  # the end of a shutdown kept for HTTP: the last events go out, sockets close
+HARD_EXIT_S = 3.0  # past the shutdown timeout, a watchdog ends the process whatever holds it
 
 
 def engine_capacity(built: Built) -> EngineCapacity:
@@ -86,6 +90,7 @@ class Server:
         self.port = settings.port
         self._http: _Uvicorn | None = None
         self._thread: threading.Thread | None = None
+        self._end: float | None = None  # when a drain started must be over (monotonic)
 
     @property
     def url(self) -> str:
@@ -105,7 +110,10 @@ class Server:
         """Bind, serve HTTP from a thread (returns once uvicorn has started), and start the
         engine thread when the engine loop runs in one."""
         sock = self._bind()
-        self._http = _Uvicorn(uvicorn_config(self.app, self.settings))
+        flush = math.ceil(DRAIN_FLUSH_S)  # what uvicorn gives open connections once told to exit
+        self._http = _Uvicorn(
+            uvicorn_config(self.app, self.settings, timeout_graceful_shutdown=flush)
+        )
         self._thread = threading.Thread(
             target=self._http.run, kwargs={"sockets": [sock]}, name="specd-http", daemon=True
         )
@@ -116,14 +124,28 @@ class Server:
         if self.worker is not None and self.engine_thread:
             self.worker.start()
 
+    def drain(self, timeout: float | None = None) -> None:
+        """Start a drain that ends by ``timeout`` seconds from now (default
+        ``settings.shutdown_timeout_s``; a later call can only bring the end closer): the worker
+        admits nothing more (``/ready`` and new requests answer 503, HTTP still listening) and
+        finishes what it holds until ``DRAIN_FLUSH_S`` before the end. Returns at once."""
+        timeout = self.settings.shutdown_timeout_s if timeout is None else timeout
+        end = time.monotonic() + timeout
+        self._end = end if self._end is None else min(self._end, end)
+        if self.worker is not None:
+            self.worker.shutdown(max(0.0, self._end - time.monotonic() - DRAIN_FLUSH_S), False)
+
     def stop(self) -> None:
-        """Stop HTTP, then the engine loop (a main-thread loop is asked to end and drains)."""
+        """Drain (see :meth:`drain`; the engine thread joined when it is ours), then stop HTTP:
+        uvicorn closes the listener and idle connections and lets the last responses (the error
+        events of cut streams among them) go out for ``DRAIN_FLUSH_S``."""
+        self.drain()
+        if self.worker is not None and self.engine_thread:
+            self.worker.shutdown(0.0 if self._end is None else self._end - time.monotonic())
         if self._http is not None:
             self._http.should_exit = True
-        if self._thread is not None:
-            self._thread.join(STOP_TIMEOUT_S)
-        if self.worker is not None:
-            self.worker.shutdown(wait=self.engine_thread)
+        if self._thread is not None:  # uvicorn gives open responses DRAIN_FLUSH_S, then exits
+            self._thread.join(DRAIN_FLUSH_S + 0.5)  # (a late engine step eats no flush time)
 
     def __enter__(self) -> Server:
         self.start()
@@ -134,19 +156,24 @@ class Server:
 
     def run(self, announce: Callable[[str], None] | None = None) -> None:
         """Serve until SIGINT / SIGTERM or until HTTP stops, the engine loop in this (the main)
-        thread unless ``engine_thread``; a signal lets open requests finish (up to 10 s).
-        ``announce`` gets the base URL once HTTP serves (its port known)."""
+        thread unless ``engine_thread``. ``announce`` gets the base URL once HTTP serves (its
+        port known). The first signal drains (:meth:`drain`): the process returns once every
+        request it held is over, at most ``settings.shutdown_timeout_s`` after the signal, and a
+        watchdog ends it ``HARD_EXIT_S`` later if anything still holds it. A second signal
+        shortens the drain to ``DRAIN_FLUSH_S``."""
         done = threading.Event()
 
-        def stop(*_) -> None:
-            if self.worker is not None:
-                self.worker.shutdown(wait=False)
-            if self._http is not None:
-                self._http.should_exit = True
+        def on_signal(*_) -> None:
+            if done.is_set():  # the second signal: cut the drain short
+                self.drain(DRAIN_FLUSH_S)
+                return
+            log.warning("drain: %.0f s at most", self.settings.shutdown_timeout_s)
+            self.drain()
             done.set()
+            threading.Thread(target=self._watchdog, daemon=True, name="specd-exit").start()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, stop)
+            signal.signal(sig, on_signal)
         self.start()
         if announce is not None:
             announce(self.url)
@@ -155,7 +182,9 @@ class Server:
 
         def watch() -> None:  # HTTP ending (e.g. a fatal error) stops the engine too
             http.join()
-            stop()
+            if not done.is_set():
+                self.drain(0.0)
+                done.set()
 
         threading.Thread(target=watch, daemon=True).start()
         try:
@@ -165,3 +194,23 @@ class Server:
                 done.wait()
         finally:
             self.stop()
+
+    def _watchdog(self) -> None:
+        """After the first signal. A step can outlast the drain's end on a loaded CPU, so the
+        engine thread may not get back to stop HTTP: at the end less ``DRAIN_FLUSH_S`` (the
+        worker has answered every request by then, from its own timer) this thread tells HTTP to
+        exit. The process then ends with 0 once HTTP has sent every answer, or with 1
+        ``HARD_EXIT_S`` after the end if anything still holds it."""
+        while self._end is None or time.monotonic() < self._end - DRAIN_FLUSH_S:
+            time.sleep(0.1)
+        if self._http is not None:
+            self._http.should_exit = True
+        http = self._thread
+        while http is not None and http.is_alive() and time.monotonic() < self._end + HARD_EXIT_S:
+            http.join(0.1)
+        if http is None or not http.is_alive():
+            time.sleep(0.5)  # the engine thread's chance to return on its own
+            log.warning("drain over (the engine was still inside a step): exiting")
+            os._exit(0)
+        log.critical("shutdown timeout passed %.0f s ago: exiting now", HARD_EXIT_S)
+        os._exit(1)

@@ -4,7 +4,8 @@
 SYNOPSIS
     specd serve [MODEL] [--drafter eagle[:PATH]|ngram|model:PATH|none] [--k-max N]
                 [--max-model-len N] [--max-running N] [--dtype D] [--device D]
-                [--host H] [--port P] [--api-key K] [--served-model-name NAME] [--config FILE]
+                [--host H] [--port P] [--api-key K] [--served-model-name NAME]
+                [--shutdown-timeout SECONDS] [--config FILE]
     specd prepare [MODEL] [--config FILE]
     specd generate [--model MODEL] [--config FILE] [--k K] [--max-tokens N] PROMPT...
     specd train-drafter [--config FILE] [--only distill|original|fit]
@@ -20,6 +21,11 @@ DESCRIPTION
     Every flag of serve can also come from the environment, SPECD_<FLAG> (e.g. SPECD_PORT,
     SPECD_DRAFTER, SPECD_MAX_RUNNING); a flag beats the environment, the environment beats the
     config file (--config, default configs/default.yaml), which sets everything else.
+
+    SIGTERM (or Ctrl-C) drains serve: /ready and new requests answer 503 with Retry-After at
+    once, while every request already taken finishes (or, at the deadline, ends with an error
+    event and [DONE]); the process exits when drained, at most --shutdown-timeout seconds
+    after the signal. A second signal cuts the drain to 2 s.
 
 EXAMPLES
     specd serve                                   # the embedded CPU default
@@ -98,6 +104,7 @@ def cmd_serve(args) -> int:
         "port": args.port,
         "api_keys": [args.api_key] if args.api_key else None,
         "served_model_names": [args.served_model_name] if args.served_model_name else None,
+        "shutdown_timeout_s": args.shutdown_timeout,
     }
     settings = ServerSettings.from_sources(data.get("server"), flags=flags)
     logging.basicConfig(
@@ -220,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "--served-model-name",
                 help="the name /v1/models answers (env SPECD_SERVED_MODEL_NAMES)",
+            )
+            p.add_argument(
+                "--shutdown-timeout",
+                type=float,
+                metavar="SECONDS",
+                help="SIGTERM drains: /ready and new requests answer 503, held requests finish; "
+                "the process exits by then (env SPECD_SHUTDOWN_TIMEOUT_S; default 25)",
             )
         if name == "generate":
             p.add_argument("prompt", nargs="+", help="chat prompts, run together")

@@ -18,11 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.worker import EngineError, NotAcceptingError, QueueFullError
+from engine.worker import DrainTimeoutError, EngineError, NotAcceptingError, QueueFullError
 
 log = logging.getLogger("specd.server")
 
-RETRY_AFTER_S = 1  # what a 429 asks the client to wait (OpenAI's SDKs honour Retry-After)
+RETRY_AFTER_S = 1  # what a 429 or 503 asks the client to wait (OpenAI's SDKs honour Retry-After)
 
 
 class APIError(Exception):
@@ -65,11 +65,13 @@ def from_exception(e: BaseException) -> APIError:
     """The one mapping from what a request can raise to the API error it answers."""
     if isinstance(e, APIError):
         return e
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
     if isinstance(e, QueueFullError):
-        retry = {"Retry-After": str(RETRY_AFTER_S)}
         return APIError(429, str(e), "rate_limit_error", None, "queue_full", retry)
-    if isinstance(e, NotAcceptingError):
-        return APIError(503, str(e), "server_error", None, NOT_READY)
+    if isinstance(e, NotAcceptingError):  # warming up or draining: another replica can answer
+        return APIError(503, str(e), "server_error", None, NOT_READY, retry)
+    if isinstance(e, DrainTimeoutError):
+        return APIError(503, str(e), "server_error", None, "shutting_down", retry)
     if isinstance(e, EngineError):
         return APIError(500, str(e), "server_error")
     return APIError(500, "internal server error", "server_error")

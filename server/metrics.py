@@ -32,6 +32,8 @@ Serving:
   specd_request_latency_seconds       histogram, from the HTTP request to a sequence's last token
   specd_queue_time_seconds            histogram, from the engine taking a sequence to its KV slot
   specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges
+      also under vLLM's names, label model_name (the gateway's endpoint picker reads those):
+      vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)
 Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queueing).
 """
 
@@ -170,6 +172,18 @@ class Metrics:
         self._kv = Gauge(
             "specd_kv_cache_usage_ratio", "Share of the KV cache slots in use.", names, registry=r
         ).labels(**lab)
+
+        def vllm(name: str, doc: str):  # the same values under vLLM's names (the InferencePool)
+            return Gauge(f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name"], registry=r)
+
+        self._gauges = {  # EngineLoad field -> its gauges
+            "running": (self._running, vllm("num_requests_running", "Running").labels(model)),
+            "waiting": (self._waiting, vllm("num_requests_waiting", "Waiting").labels(model)),
+        }
+        self._kv_gauges = (
+            self._kv,
+            vllm("kv_cache_usage_perc", "KV cache used, 0..1").labels(model),
+        )
         # children with the model/drafter labels bound (the hot path does no label lookups)
         self.drafted, self.accepted = self._drafted.labels(**lab), self._accepted.labels(**lab)
         self.passes, self.output_tokens = self._passes.labels(**lab), self._out.labels(**lab)
@@ -217,10 +231,12 @@ class Metrics:
 
     def set_gauges(self, stats: dict) -> None:
         """From :meth:`EngineWorker.stats`."""
-        self._running.set(stats.get("running", 0))
-        self._waiting.set(stats.get("waiting", 0))
+        for field, gauges in self._gauges.items():
+            for g in gauges:
+                g.set(stats.get(field, 0))
         if stats.get("kv_slots"):
-            self._kv.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
+            for g in self._kv_gauges:
+                g.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
         failures = stats.get("drafter_failures")
         if failures is not None:  # the engine counts; the counter follows its increase
             with self._failures_lock:

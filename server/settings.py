@@ -35,6 +35,8 @@ class ServerSettings:
     max_header_bytes: int = 16384  # request head size (uvicorn answers 400 past it)
     keep_alive_s: float = 5.0  # idle keep-alive connections close after this
     stream_send_timeout_s: float = 60.0  # a stream whose client takes nothing for this long closes
+    # SIGTERM to exit at most: the engine drains for all but the last DRAIN_FLUSH_S of it
+    shutdown_timeout_s: float = 25.0
     cors_origins: list[str] = field(default_factory=list)  # empty: no CORS headers at all
     log_level: str = "info"
 

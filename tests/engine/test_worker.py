@@ -302,3 +302,95 @@ def test_run_here_serves_then_drains_on_shutdown(models):
     assert result["out"] == ref
     with pytest.raises(NotAcceptingError):
         w.reserve(1)
+
+
+def test_drain_waits_for_every_admitted_request_then_ends(models):
+    """A drain refuses new work at once (``accepting`` false, ``draining`` true) and ends the
+    loop only when every admitted request is over: one queued behind the only slot and one
+    admitted (reserved) whose submission comes after the drain started both get their whole
+    output."""
+    e = engine_for(models, "none", slots=1)
+    w = EngineWorker(e)
+    w.start()
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    async def main():
+        room = w.reserve(1)  # admitted; its submission arrives only after the drain began
+        started = asyncio.Event()
+        first = asyncio.create_task(collect(w, "a", [1, 2, 3], params, 0, started=started))
+        queued = asyncio.create_task(collect(w, "b", [4, 5, 6], params, 0))
+        await started.wait()
+        w.shutdown(60, wait=False)
+        assert w.draining and not w.accepting
+        with pytest.raises(NotAcceptingError, match="shutting down"):
+            w.reserve(1)
+        late = []
+        with room:
+            sp = SpecParams(enabled=False)
+            async for o in w.submit("c", [7, 8, 9], params, sp, room):
+                late += o.new_token_ids
+        return await first, await queued, late
+
+    outs = run(asyncio.wait_for(main(), 120))
+    assert [len(o) for o in outs] == [12, 12, 12]
+    w._thread.join(30)
+    assert not w.running
+
+
+def test_drain_deadline_answers_what_is_left_with_drain_timeout(models):
+    """Past the deadline the loop ends and each request still open gets a DrainTimeoutError
+    (an error the server turns into a 503 event), never silence."""
+    from engine.admission import DrainTimeoutError
+
+    e = engine_for(models, "none", slots=1)
+    w = EngineWorker(e)
+    w.start()
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        started = asyncio.Event()
+        t = asyncio.create_task(collect(w, "long", [1, 2, 3], params, 0, started=started))
+        q = asyncio.create_task(collect(w, "queued", [4, 5], params, 0))
+        await started.wait()
+        w.shutdown(0.0, wait=False)  # the deadline is now: both are still open
+        return await asyncio.gather(t, q, return_exceptions=True)
+
+    got = run(asyncio.wait_for(main(), 60))
+    assert all(isinstance(g, DrainTimeoutError) for g in got), got
+    w._thread.join(30)
+    assert not w.running and w.healthy
+
+
+def test_drain_deadline_answers_even_while_a_step_outlasts_it(models):
+    """On a loaded CPU one step can outlast the whole drain: the deadline's timer answers every
+    open request on time from its own thread, and the loop still ends when the step returns."""
+    from engine.admission import DrainTimeoutError
+
+    e = engine_for(models, "none", slots=1)
+    inside, release = threading.Event(), threading.Event()
+    step = e.step
+
+    def slow_step():
+        if w.draining:  # the first step after the drain began hangs until released
+            inside.set()
+            release.wait(30)
+        return step()
+
+    e.step = slow_step
+    w = EngineWorker(e)
+    w.start()
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        started = asyncio.Event()
+        t = asyncio.create_task(collect(w, "long", [1, 2, 3], params, 0, started=started))
+        await started.wait()
+        w.shutdown(0.3, wait=False)
+        got = await asyncio.gather(t, return_exceptions=True)
+        return got, inside.is_set(), w.running  # answered while the step still hangs
+
+    got, was_inside, running = run(asyncio.wait_for(main(), 60))
+    assert isinstance(got[0], DrainTimeoutError) and was_inside and running
+    release.set()
+    w._thread.join(30)
+    assert not w.running and w.healthy

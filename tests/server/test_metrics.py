@@ -255,3 +255,20 @@ def test_deployment_configs_parse():
         ServerSettings.from_sources(load_config_file(path).get("server"), env={})
     gpu = EngineConfig.from_yaml(ROOT / "configs" / "gpu-qwen2.5-7b.yaml")
     assert gpu.model.device == "cuda" and gpu.drafter.method == "model" and gpu.drafter.source
+
+
+def test_vllm_named_gauges_carry_the_same_values():
+    """The gateway's endpoint picker reads vLLM's gauge names by default (deploy/helm: the
+    InferencePool): specd exports its queue, running and KV-cache gauges under them too."""
+    from prometheus_client import generate_latest
+
+    from server.metrics import Metrics
+
+    metrics = Metrics("m", "ngram")
+    metrics.set_gauges({"running": 3, "waiting": 5, "kv_free_slots": 12, "kv_slots": 16})
+    m = scrape(generate_latest(metrics.registry).decode())
+    assert total(m, "vllm:num_requests_waiting", model_name="m") == 5
+    assert total(m, "vllm:num_requests_running", model_name="m") == 3
+    assert total(m, "vllm:kv_cache_usage_perc", model_name="m") == 0.25
+    assert total(m, "specd_waiting_sequences") == 5
+    assert total(m, "specd_kv_cache_usage_ratio") == 0.25
