@@ -21,6 +21,7 @@ from engine.worker import EngineError, Reservation
 from . import protocol as P
 from .errors import error_event, from_exception
 from .generation import ChoiceEvent, JobRun
+from .tool_stream import ToolOutputReader
 from .tools import ToolMode, finish_reason, read_output
 
 log = logging.getLogger("specd.server")
@@ -115,22 +116,29 @@ def stream_chunks(
 
 
 def tool_choices(mode: ToolMode) -> Callable[[ChoiceEvent], list[BaseModel]]:
-    """A tool-mode chat stream's chunk choices per event: nothing until a choice's JSON is
-    complete (it is read whole: server/tools.py), then its ``delta.tool_calls`` (index, id,
-    name and arguments) or its content, and its finish reason."""
-    texts: dict[int, str] = {}
+    """A tool-mode chat stream's chunk choices per event, as the model writes (read by
+    server/tool_stream.py): a call's ``delta.tool_calls`` entry with its index, id and name
+    once the name is whole, then its arguments in pieces; a plain answer's text as content.
+    At the end, an output that did not read as either (cut by max_tokens) goes out whole as
+    content, as the non-streamed answer has it; then the finish reason."""
+    readers: dict[int, ToolOutputReader] = {}
 
     def choices(ev: ChoiceEvent) -> list[BaseModel]:
-        texts[ev.index] = texts.get(ev.index, "") + ev.text
-        if not ev.finish_reason:
-            return []
-        content, calls = read_output(texts[ev.index])
+        reader = readers.setdefault(ev.index, ToolOutputReader())
+        reader.feed(ev.text)
         out: list[BaseModel] = []
-        for k, call in enumerate(calls or []):
-            fn = P.FunctionCallDelta(name=call.function.name, arguments=call.function.arguments)
-            d = P.ToolCallDelta(index=k, id=call.id, type="function", function=fn)
+        for k, call, first, new in reader.take_calls():
+            fn = P.FunctionCallDelta(name=call.name if first else None, arguments=new)
+            d = P.ToolCallDelta(index=k, function=fn)
+            if first:  # the call's first delta: its id and type too
+                d = P.ToolCallDelta(index=k, id=call.id, type="function", function=fn)
             out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(tool_calls=[d])))
-        if content:
+        if text := reader.take_content():
+            out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(content=text)))
+        if not ev.finish_reason:
+            return out
+        content, calls = read_output(reader.text)
+        if content is not None and calls is None and not reader.streamed_anything:
             out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(content=content)))
         reason = finish_reason(mode, calls, ev.finish_reason)
         out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(), finish_reason=reason))

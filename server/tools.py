@@ -14,11 +14,11 @@ message with ``tool_calls`` as its JSON, a ``tool`` message as a turn of role ``
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from .errors import bad
 from .protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCall
+from .tool_stream import ToolOutputReader
 
 
 @dataclass(frozen=True)
@@ -116,27 +116,21 @@ def _arguments(text: str):
 
 
 def read_output(text: str) -> tuple[str | None, list[ToolCall] | None]:
-    """(content, tool calls) of a tool-mode output; unreadable text (cut by max_tokens) is
-    returned as content."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text, None
-    if isinstance(obj, dict) and "tool_calls" in obj:
-        calls = [
-            ToolCall(
-                id=f"call_{uuid.uuid4().hex[:24]}",
-                function=FunctionCall(name=c["name"], arguments=json.dumps(c["arguments"])),
-            )
-            for c in obj["tool_calls"]
-        ]
-        return None, calls
-    if isinstance(obj, dict) and "response" in obj:
-        return obj["response"], None
+    """(content, tool calls) of a tool-mode output, read the way a stream reads it
+    (server/tool_stream.py), so both answers agree: the calls whose name is whole, each with its
+    arguments' raw text (cut short with the output, as OpenAI's are at ``length``); else a plain
+    answer's text; else, when neither began (cut early), the text itself as content."""
+    reader = ToolOutputReader()
+    reader.feed(text)
+    if calls := reader.readable_calls():
+        fns = [FunctionCall(name=str(c.name), arguments=reader.arguments(c)) for c in calls]
+        return None, [ToolCall(id=c.id, function=f) for c, f in zip(calls, fns)]
+    if reader.answering:
+        return reader.take_content(), None
     return text, None
 
 
 def finish_reason(mode: ToolMode, calls: list[ToolCall] | None, engine_reason: str | None):
-    if calls and not mode.named:
+    if calls and not mode.named and engine_reason != "length":  # cut short: "length" stays
         return "tool_calls"
     return engine_reason

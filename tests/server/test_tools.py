@@ -78,19 +78,23 @@ def test_tool_choice_streamed_and_not(client, choice):
         if named:
             assert len(m.tool_calls) == 1
     streamed: dict[int, dict] = {}
-    content, last = "", None
+    content, last, pieces = "", None, 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         d = chunk.choices[0].delta
         content += d.content or ""
         for tc in d.tool_calls or []:
+            first = tc.index not in streamed  # a call's first delta names it, later ones do not
+            assert (tc.id is not None, tc.function.name is not None) == (first, first)
             entry = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
             entry["name"] += tc.function.name or ""
             entry["arguments"] += tc.function.arguments or ""
+            pieces += 1
         last = chunk.choices[0].finish_reason or last
     assert last == reason
     if m.tool_calls:
         want = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
         assert [streamed[i] for i in sorted(streamed)] == want
+        assert pieces > len(want)  # the arguments came as the model wrote them, in pieces
     else:
         assert content == m.content
 
