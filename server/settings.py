@@ -40,6 +40,10 @@ class ServerSettings:
     cors_origins: list[str] = field(default_factory=list)  # empty: no CORS headers at all
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        if not self.shutdown_timeout_s >= 0:  # (NaN too)
+            raise ValueError(f"shutdown_timeout_s must be >= 0, not {self.shutdown_timeout_s}")
+
     @classmethod
     def from_sources(
         cls, file_data: dict | None, env: Mapping[str, str] | None = None, flags: dict | None = None

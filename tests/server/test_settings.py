@@ -1,3 +1,5 @@
+import pytest
+
 from server.settings import ServerSettings
 
 
@@ -38,3 +40,13 @@ def test_env_key_used_when_flag_absent():
         {}, env={"SPECD_API_KEY": "a"}, flags={"api_keys": None, "port": None}
     )
     assert s.api_keys == ["a"]
+
+
+def test_shutdown_timeout_from_env_and_flag_and_refused_when_negative():
+    assert ServerSettings.from_sources({}, env={}).shutdown_timeout_s == 25.0
+    env = {"SPECD_SHUTDOWN_TIMEOUT_S": "40"}
+    assert ServerSettings.from_sources({}, env=env).shutdown_timeout_s == 40.0
+    flags = {"shutdown_timeout_s": 5.0}
+    assert ServerSettings.from_sources({}, env=env, flags=flags).shutdown_timeout_s == 5.0
+    with pytest.raises(ValueError, match="shutdown_timeout_s"):
+        ServerSettings.from_sources({"shutdown_timeout_s": -1}, env={})
