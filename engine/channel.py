@@ -26,6 +26,7 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
             drafted=a.stats.drafted + b.stats.drafted,
             accepted=a.stats.accepted + b.stats.accepted,
             emitted=a.stats.emitted + b.stats.emitted,
+            forced=a.stats.forced + b.stats.forced,
         )
     elif a.stats is not None:
         stats = a.stats

@@ -2,7 +2,8 @@
 
   1. plan     -- each row's K (capped by its remaining tokens and the context), sampling params
                  and random draws (plan.py): host decisions only.
-  2. propose  -- the drafter proposes up to K_i tokens per row (ragged rows, padded to the widest).
+  2. propose  -- the drafter proposes up to K_i tokens per row (ragged rows, padded to the widest);
+                 a row whose grammar forces its next tokens drafts those instead (forced.py).
   3. verify   -- one target forward over [last token, d_1..d_K_i] of every row; logit bias,
                  penalties (penalties.py) and grammar masks (grammar.py) at position i count
                  d_1..d_i as output.
@@ -12,20 +13,23 @@
   5. commit   -- append the emitted tokens (cut at stop conditions), commit the target cache to
                  ``len(tokens) - 1`` and roll the drafter's state back to what was kept.
 
-K_i comes from the controller (k_control.py): ``k_for`` in the plan, ``observe`` in the commit
-loop, ``end_round`` with the round's measured times. Drafter faults make a plain round for their
-rows (drafters/guard.py). The first token of a sequence is sampled from its prefill's logits by
-:meth:`Speculator.first_tokens`, the same rule with K = 0.
+K_i comes from the controller (k_control.py) or a forced run: ``k_for`` in the plan, ``observe``
+in the commit loop (with K = 0 for a forced row: the grammar's drafts say nothing of the
+drafter), ``end_round`` with the round's measured times. Drafter faults make a plain round for
+their rows (drafters/guard.py). The first token of a sequence is sampled from its prefill's
+logits by :meth:`Speculator.first_tokens`, the same rule with K = 0.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from .drafters.guard import GuardedDrafter
+from .forced import forced_run, with_forced
 from .grammar import advance, apply_grammar
 from .k_control import KController
 from .model_runner import ModelRunner
@@ -60,16 +64,26 @@ class Speculator:
 
     def round(self, seqs: list[Sequence]) -> list[StepOutput]:
         t_start = time.perf_counter()
-        # 1. plan
-        plan = self._plan(seqs, [self.controller.k_for(s, self.k_cap(s)) for s in seqs])
+        # 1. plan: a row the grammar forces drafts its forced run (forced.py), the others ask
+        # the controller for K; K_i of the plan is the run's length or the K asked
+        caps = [self.k_cap(s) for s in seqs]
+        forced = [forced_run(s, cap) for s, cap in zip(seqs, caps)]
+        asked = [0 if f else self.controller.k_for(s, cap) for s, cap, f in zip(seqs, caps, forced)]
+        plan = self._plan(seqs, [len(f) or k for f, k in zip(forced, asked)])
         # 2. propose
         t0 = time.perf_counter()
-        prop = self.drafter.propose(seqs, plan) if self.drafter and any(plan.ks) else None
+        prop = None
+        if self.drafter is not None and any(asked):
+            prop = self.drafter.propose(seqs, replace(plan, ks=asked))
         if prop is not None:
             drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs  # [batch, K]
         else:
             drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
             num_draft, draft_probs = [0] * len(seqs), None
+        if any(forced):
+            drafts, num_draft, draft_probs = with_forced(
+                drafts, num_draft, draft_probs, forced, self.vocab_size
+            )
         kmax = drafts.shape[1]
         t1 = time.perf_counter()
         # 3. verify: one target pass over [last token, d_1..d_K] per row
@@ -92,16 +106,18 @@ class Speculator:
         t2 = time.perf_counter()
         # 5. commit / rollback
         outputs = []
-        for s, k, nd, row in zip(seqs, plan.ks, num_draft, rows):
-            a = row.accepted
+        for s, k, n, f, row in zip(seqs, asked, num_draft, forced, rows):
+            kept = row.accepted
+            # a forced run is the grammar's draft, not the drafter's: counted apart
+            nd, a, free = (0, 0, kept) if f else (n, kept, 0)
             s.drafted, s.accepted, s.target_passes = (
                 s.drafted + nd,
                 s.accepted + a,
                 s.target_passes + 1,
             )
-            emitted = self.scheduler.postprocess(s, row.drafts[:a] + [row.next_token])
+            emitted = self.scheduler.postprocess(s, row.drafts[:kept] + [row.next_token])
             advance(s, emitted)
-            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, tv - t1, kmax, t2 - tv)
+            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, tv - t1, kmax, t2 - tv, free)
             next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
             self.controller.observe(s, k, stats, next_cap)
             outputs.append(make_output(s, emitted, stats, row))
@@ -109,7 +125,8 @@ class Speculator:
             live = [s for s in seqs if s.status is Status.RUNNING and s.spec.enabled]
             self.drafter.commit(live)
         t3 = time.perf_counter()
-        steps = self.drafter.inner.steps(kmax) if self.drafter is not None and kmax else 0
+        width = max(asked)  # the drafter's own steps: forced runs cost it none
+        steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
         self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - (t1 - t0), t1 - t0)
         return outputs
 

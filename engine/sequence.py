@@ -48,6 +48,7 @@ class RoundStats:
     verify_s: float  # wall time of the batch's verify forward (and target probabilities)
     width: int = 0  # the batch's padded draft width (the verify fed width + 1 tokens per row)
     accept_s: float = 0.0  # wall time of the batch's accept phase (rejection rule + host sync)
+    forced: int = 0  # tokens the grammar forced that were drafted for free and kept (forced.py)
 
 
 @dataclass

@@ -8,6 +8,8 @@ help names its query, and the same queries ship as recording rules in
 Speculation (the terms are rejection.py's):
   specd_draft_tokens_total, specd_accepted_tokens_total
       acceptance rate = rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])
+  specd_forced_tokens_total
+      tokens a grammar forced, drafted for free (engine/forced.py) and kept
   specd_draft_tokens_by_position_total{position}, specd_accepted_tokens_by_position_total{position}
       acceptance at draft position j = rate(accepted{position="j"}) / rate(draft{position="j"})
   specd_target_passes_total           target forwards per sequence (prefill pass included)
@@ -86,6 +88,11 @@ class Metrics:
             "rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])",
         )
         self._accepted = counter("specd_accepted_tokens", "Drafted tokens the target accepted.")
+        self._forced = counter(
+            "specd_forced_tokens",
+            "Tokens a grammar forced, verified as free drafts and kept (not in the drafted or "
+            "accepted counts).",
+        )
         self._drafted_pos = counter(
             "specd_draft_tokens_by_position",
             "Drafted tokens by draft position (1 = first drafted token).",
@@ -186,6 +193,7 @@ class Metrics:
         )
         # children with the model/drafter labels bound (the hot path does no label lookups)
         self.drafted, self.accepted = self._drafted.labels(**lab), self._accepted.labels(**lab)
+        self.forced = self._forced.labels(**lab)
         self.passes, self.output_tokens = self._passes.labels(**lab), self._out.labels(**lab)
         self.prompt_tokens = self._prompt.labels(**lab)
         self.tokens_per_pass, self.draft_length = self._tpp.labels(**lab), self._k.labels(**lab)
@@ -218,6 +226,7 @@ class Metrics:
             self.draft_length.observe(st.k)
             self.drafted.inc(st.drafted)
             self.accepted.inc(st.accepted)
+            self.forced.inc(st.forced)
             for j in range(min(st.drafted, len(self.drafted_pos))):
                 self.drafted_pos[j].inc()
             for j in range(min(st.accepted, len(self.accepted_pos))):

@@ -1,8 +1,9 @@
 """engine/grammar.py: grammar-constrained output under speculation, over a tiny random model
 whose vocabulary is llguidance's byte tokenizer. Greedy output with speculation equals it
 without (and matches the grammar); sampled output follows the masked target's exact
-distribution, by a chi-square test that rejects an engine masking every verified position as
-the first (ignoring the drafts before it)."""
+distribution (with the token the grammar forces drafted for free, forced.py), by a chi-square
+test that rejects an engine masking every verified position as the first (ignoring the drafts
+before it)."""
 
 import re
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from engine import round as round_module
+from engine.forced import forced_run
 from engine.grammar import GrammarCompiler, apply_grammar
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.sequence import SpecParams
@@ -95,6 +97,10 @@ def _first_mask_everywhere(logits, seqs, drafts):
 def test_sampled_under_a_grammar_follows_the_masked_distribution(models, byte_tok, monkeypatch):
     joint = exact_joint_masked(models[0], byte_tok, 1.0)
     n = 2000
+    runs = []  # the pattern forces its "c": those rounds draft it for free (forced.py)
+    monkeypatch.setattr(
+        round_module, "forced_run", lambda s, cap: runs.append(forced_run(s, cap)) or runs[-1]
+    )
 
     def run():
         e = engine(models, byte_tok, "model", slots=1024)
@@ -109,6 +115,8 @@ def test_sampled_under_a_grammar_follows_the_masked_distribution(models, byte_to
     stat, p, df = gof(seqs, joint)
     print(f"grammar, draft model, T=1: chi2 = {stat:.1f}, df = {df}, p = {p:.3g}")
     assert all(tuple(s.output_ids) in joint for s in seqs) and p >= 1e-3 and df >= 4
+    # rounds that began where the "c" is forced drafted it for free (others drafted across it)
+    assert sum(run == [ord("c")] for run in runs) >= n // 10
     # an engine that masks every verified position as the first emits what the grammar refuses
     monkeypatch.setattr(round_module, "apply_grammar", _first_mask_everywhere)
     with pytest.raises(RuntimeError, match="grammar refused an emitted token"):

@@ -92,6 +92,30 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
         add(json.loads(events[-2])["usage"])
         sequences += 1
         requests += 1
+        schema = {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+        r = c.post(  # the grammar forces '{"city":"': free drafts (engine/forced.py)
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "max_tokens": 12,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Name a city."}],
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "city", "schema": schema},
+                },
+                "speculation": {"k": 4},
+            },
+        )
+        assert r.status_code == 200
+        add(r.json()["usage"])
+        sequences += 1
+        requests += 1
         assert c.post("/v1/completions", json={"model": "nope", "prompt": "x"}).status_code == 404
 
         r = c.get("/metrics")
@@ -104,6 +128,7 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
     assert total(m, "specd_draft_tokens_total", **lab) == usage["drafted"] > 0
     assert total(m, "specd_accepted_tokens_total", **lab) == usage["accepted"]
     assert total(m, "specd_target_passes_total", **lab) == usage["passes"]
+    assert total(m, "specd_forced_tokens_total", **lab) > 0
     assert total(m, "specd_draft_tokens_by_position_total") == usage["drafted"]
     assert total(m, "specd_accepted_tokens_by_position_total") == usage["accepted"]
     assert total(m, "specd_accepted_tokens_by_position_total", position="1") <= total(
@@ -119,7 +144,7 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
     assert total(m, "specd_draft_length_count") == usage["passes"] - sequences  # one per round
     assert total(m, "specd_round_phase_seconds_count", phase="verify") > 0
     assert total(m, "specd_sequences_finished_total") == sequences
-    assert total(m, "specd_requests_total", endpoint="chat", status="200") == len(prompts)
+    assert total(m, "specd_requests_total", endpoint="chat", status="200") == len(prompts) + 1
     assert total(m, "specd_requests_total", endpoint="completions", status="200") == 1
     assert total(m, "specd_requests_total", endpoint="completions", status="404") == 1
     assert total(m, "specd_requests_total") == requests + 1
