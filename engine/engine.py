@@ -18,12 +18,12 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from .drafters.base import Drafter
 from .drafters.guard import GuardedDrafter
+from .engine_protocol import EngineLoad
 from .grammar import GrammarCompiler
 from .k_control import AdaptiveK, FixedK, KController
 from .model_runner import ModelRunner
@@ -38,18 +38,6 @@ from .sequence import Sequence, SpecParams
 __all__ = ["EngineLoad", "SpecEngine", "StepOutput"]
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of what the engine holds (read by the worker for metrics and admission)."""
-
-    running: int  # sequences holding a KV slot (prefilling or decoding)
-    waiting: int  # sequences queued for a slot
-    kv_used_tokens: int
-    kv_free_slots: int
-    kv_slots: int
-    drafter_failures: int
-
-
 class SpecEngine:
     def __init__(
         self,
@@ -62,6 +50,7 @@ class SpecEngine:
         k_max: int = 8,
         max_slots_per_request: int | None = None,
         grammars: GrammarCompiler | None = None,
+        deterministic: str = "off",
     ):
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
@@ -83,6 +72,7 @@ class SpecEngine:
         self.device = target.device
         self.vocab_size = target.vocab_size
         self.grammars = grammars  # matchers for requests with a grammar (structured outputs)
+        self.deterministic = deterministic  # "off" | "request" | "always" (engine/invariant.py)
         rng = torch.Generator(device=self.device)
         rng.manual_seed(secrets.randbits(63))
         self.speculator = Speculator(target, self.guard, controller, self.scheduler, k_max, rng)
@@ -107,6 +97,8 @@ class SpecEngine:
             )
         if not all(0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError("prompt token id outside the vocabulary")
+        if params.deterministic and self.deterministic == "off":
+            raise ValueError("deterministic mode is off on this engine")
         matcher = None
         if params.grammar is not None:
             if self.grammars is None:
@@ -169,6 +161,7 @@ class SpecEngine:
             out.prompt_logprobs = out.seq.prompt_logprobs
         sched.start_running(new)
         if sched.running:
+            self._invariant(sched.running)
             outputs += self.speculator.round(sched.running)
             sched.retire()
         return outputs
@@ -183,6 +176,7 @@ class SpecEngine:
         new, last_logits, scored = [], [], []
         for c in chunks:
             scores = c.seq.params.prompt_logprobs is not None
+            self._invariant([c.seq])
             logits = self.target.forward(
                 [c.tokens], [c.seq.slot], logits="all" if scores else "last"
             )  # [1, vocab], or [1, chunk, vocab] when the prompt is scored
@@ -209,10 +203,19 @@ class SpecEngine:
                     last_logits.append(logits)
         return new, last_logits, scored
 
+    def _invariant(self, seqs: list[Sequence]) -> None:
+        """Invariant target forwards for rows ``seqs`` if the engine always runs them or a row
+        asked: every forward of a deterministic request (chunks, rounds) is then invariant."""
+        mode = self.deterministic
+        self.target.invariant = mode == "always" or (
+            mode == "request" and any(s.params.deterministic for s in seqs)
+        )
+
     def _calibrate_once(self) -> None:
         """Before the first request the controller decides K for: time forwards on free slots."""
         if self.controller.calibrated or not self.target.cache.num_free():
             return
+        self._invariant([])  # "always": the forwards timed are the invariant ones
         if any(s.spec.enabled and s.spec.k is None for s in self.scheduler.waiting):
             draft = self.drafter.runner if self.drafter is not None else None
             self.controller.calibrate(self.target, draft, self.target.cache.free_slots())

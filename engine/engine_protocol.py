@@ -4,11 +4,24 @@ Only the worker's engine thread calls these methods."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
-from .engine import EngineLoad, StepOutput
+from .output import StepOutput
 from .sampling import SamplingParams
 from .sequence import SpecParams
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of what the engine holds (read by the worker for metrics and admission)."""
+
+    running: int  # sequences holding a KV slot (prefilling or decoding)
+    waiting: int  # sequences queued for a slot
+    kv_used_tokens: int
+    kv_free_slots: int
+    kv_slots: int
+    drafter_failures: int
 
 
 class Engine(Protocol):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import invariant
 from .fast_forward import FastForward, disable
 from .kv_cache import SlotKVCache
 from .layer import config_shape, decoder_layer
@@ -81,6 +82,8 @@ class ModelRunner:
         self.fast = None
         self.head = None
         self.taps, self.tapped = (), None
+        # deterministic mode (engine/invariant.py): forwards computed batch-invariantly
+        self.invariant = False
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -101,7 +104,8 @@ class ModelRunner:
         Committed lengths are *not* changed: the caller commits what it keeps.
 
         Small forwards (decode steps, verifies, draft steps) go through the compiled fixed-shape
-        path when one is attached (:mod:`engine.fast_forward`); prefill chunks run eagerly."""
+        path when one is attached (:mod:`engine.fast_forward`); prefill chunks run eagerly. With
+        ``invariant`` set every forward is the batch-invariant one (:mod:`engine.invariant`)."""
         cache, dev = self.cache, self.device
         if isinstance(tokens, torch.Tensor):
             assert counts is not None
@@ -115,6 +119,8 @@ class ModelRunner:
         kv_len = max(s + n for s, n in zip(starts, counts))
         if kv_len > cache.max_len:
             raise ValueError("forward past the cache's max_len")
+        if self.invariant:  # deterministic mode: the batch-invariant forward
+            return invariant.forward(self, ids, slots, starts, counts, logits)
         h = None
         if self.fast is not None:
             try:  # None when the shape is outside the buckets

@@ -32,6 +32,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     grammar: str | None = None  # an llguidance grammar the output must match (grammar.py)
+    # batch-invariant forwards while this request runs (engine/invariant.py; the engine's
+    # ``deterministic`` mode must be "request" or "always")
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.temperature < 0 or self.temperature != self.temperature:

@@ -41,7 +41,13 @@ HARD_EXIT_S = 3.0  # past the shutdown timeout, a watchdog ends the process what
 
 def engine_capacity(built: Built) -> EngineCapacity:
     engine, drafter = built.engine, built.config.drafter
-    return EngineCapacity(engine.target.max_len, engine.vocab_size, drafter.method, drafter.k_max)
+    return EngineCapacity(
+        engine.target.max_len,
+        engine.vocab_size,
+        drafter.method,
+        drafter.k_max,
+        built.config.deterministic,
+    )
 
 
 def assemble(built: Built, settings: ServerSettings, *, engine_thread: bool) -> Server:

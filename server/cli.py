@@ -82,11 +82,16 @@ def _config(args):
         ("k_max", "k_max", int),
         ("max_model_len", "max_model_len", int),
         ("max_running", "max_running", int),
+        ("deterministic", "deterministic", str),
     ):
         value = _env_or(args, name)
         if value is not None:
             target = cfg.drafter if name == "k_max" else cfg
             setattr(target, field, cast(value))
+    try:
+        cfg.__post_init__()  # what the flags and environment set is checked as the file was
+    except ValueError as e:
+        raise SystemExit(f"specd: {e}") from None
     return cfg
 
 
@@ -216,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                 "--max-running",
                 type=int,
                 help="sequences decoded together = KV cache slots (env SPECD_MAX_RUNNING)",
+            )
+            p.add_argument(
+                "--deterministic",
+                choices=["off", "request", "always"],
+                help="batch-invariant forwards: greedy and seeded output the same alone or in "
+                "any batch, speculation on or off, in bf16 too; 'request': for requests that "
+                'send "deterministic": true (env SPECD_DETERMINISTIC; default off)',
             )
         if name == "serve":
             p.add_argument("--host", help="listen address (env SPECD_HOST; default 127.0.0.1)")

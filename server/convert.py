@@ -42,6 +42,7 @@ class EngineCapacity:
     vocab_size: int
     drafter: str  # configured drafter method
     k_max: int = 8  # the engine's largest K (metrics buckets)
+    deterministic: str = "off"  # the engine's deterministic mode: off | request | always
 
 
 @dataclass
@@ -172,7 +173,19 @@ def _params(
         repetition_penalty=req.repetition_penalty or 1.0,
         logit_bias=_logit_bias(req, capacity.vocab_size),
         grammar=grammar,
+        deterministic=_deterministic(req, capacity),
     )
+
+
+def _deterministic(req: _Sampling, capacity: EngineCapacity) -> bool:
+    if req.deterministic and capacity.deterministic == "off":
+        raise bad(
+            "deterministic mode is off on this server (start it with --deterministic request "
+            "or always)",
+            "deterministic",
+            "unsupported_parameter",
+        )
+    return bool(req.deterministic) or capacity.deterministic == "always"
 
 
 def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:

@@ -89,6 +89,7 @@ class _Sampling(_Req):
     repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): 1 = off
     user: str | None = None
     speculation: SpeculationOptions | None = None
+    deterministic: bool | None = None  # extension: batch-invariant forwards (engine/invariant.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

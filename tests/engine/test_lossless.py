@@ -75,9 +75,10 @@ def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
 
 
 def test_eagle_head_is_lossless_and_accepts(real_fp32, prompts, reference, head):
-    """The shipped head, batch 1 at K = 4, then all prompts as one ragged batch at K = 3."""
-    seqs = run_each(real_engine(real_fp32, "eagle3", head=head), prompts, k=4)
-    assert_same(seqs, reference)
+    """The shipped head, batch 1 at K = 4 (half the prompts: the CI's time), then all prompts
+    as one ragged batch at K = 3."""
+    seqs = run_each(real_engine(real_fp32, "eagle3", head=head), prompts[::2], k=4)
+    assert_same(seqs, reference[::2])
     drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
     # a trained head: drafts right well beyond chance (an untrained one: ~1 in 8192), not all
     assert 0.04 * drafted < accepted < drafted

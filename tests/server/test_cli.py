@@ -64,3 +64,14 @@ def test_help_reads_like_a_man_page(capsys):
     for flag in ("--drafter", "--k-max", "--max-model-len", "--max-running", "--port"):
         assert flag in out
     assert "SPECD_MAX_RUNNING" in out
+
+
+def test_deterministic_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("SPECD_DETERMINISTIC", raising=False)
+    assert cli._config(parse([])).deterministic == "off"
+    assert cli._config(parse(["--deterministic", "always"])).deterministic == "always"
+    monkeypatch.setenv("SPECD_DETERMINISTIC", "request")
+    assert cli._config(parse([])).deterministic == "request"
+    monkeypatch.setenv("SPECD_DETERMINISTIC", "sometimes")
+    with pytest.raises(SystemExit, match="deterministic must be one of"):
+        cli._config(parse([]))

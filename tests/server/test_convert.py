@@ -52,3 +52,31 @@ def test_refused(option, param):
     with pytest.raises(APIError) as e:
         spec(option)
     assert e.value.status == 400 and e.value.param == param
+
+
+def params(deterministic, mode: str):
+    """The engine's SamplingParams of a chat request sending ``deterministic`` to an engine in
+    deterministic ``mode``."""
+    from server.convert import _params
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    if deterministic is not None:
+        body["deterministic"] = deterministic
+    cap = EngineCapacity(2048, 100, "ngram", deterministic=mode)
+    return _params(ChatCompletionRequest(**body), SETTINGS, cap, 3, 4, None, None)
+
+
+@pytest.mark.parametrize(
+    "sent,mode,expected",
+    [(None, "off", False), (True, "request", True), (None, "request", False)]
+    + [(False, "request", False), (None, "always", True), (False, "always", True)],
+)
+def test_deterministic_follows_the_request_within_the_engine_mode(sent, mode, expected):
+    assert params(sent, mode).deterministic is expected
+
+
+def test_deterministic_is_refused_by_name_where_the_mode_is_off():
+    with pytest.raises(APIError) as e:
+        params(True, "off")
+    assert e.value.status == 400 and e.value.param == "deterministic"
+    assert "--deterministic" in e.value.message

@@ -193,6 +193,13 @@ def test_best_of_and_suffix_refused(api):
     )
 
 
+def test_deterministic_refused_where_the_mode_is_off(api):
+    body = {**CHAT, "deterministic": True}
+    r = api.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, "deterministic")
+    assert "--deterministic" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_unknown_model_is_openais_404(api, path):
     body = {**CHAT, "prompt": "x", "model": "text-davinci-003"}

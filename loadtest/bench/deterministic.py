@@ -1,0 +1,130 @@
+"""Deterministic mode (issue 19): how often the default forward changes output, and what the
+batch-invariant forward (engine/invariant.py) costs, in-process on one engine built from
+``--config`` with ``deterministic: request``, so each request picks its mode over the same
+weights. For each mode, default and deterministic:
+
+  * greedy, speculation on (the config's drafter, fixed K) vs off, one request at a time, and
+    with all prompts batched: the prompts whose output differs;
+  * greedy batched vs alone (speculation off);
+  * seeded sampling (T = 0.8) batched vs alone (speculation on: the controller keeps seeded
+    requests at K = 0);
+  * output tok/s of plain and speculative decoding, one at a time and batched; the modes run
+    interleaved prompt by prompt (ABBA), so machine noise hits both alike.
+
+    python -m loadtest.bench.deterministic --config configs/default.yaml --prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from loadtest.datasets import encode, human_eval, mt_bench
+
+MODES = ("default", "deterministic")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench.deterministic", description=__doc__)
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="the fixed K of speculative runs")
+    ap.add_argument("--out", default="loadtest/results/bench_deterministic.txt")
+    args = ap.parse_args(argv)
+    cfg = EngineConfig.from_yaml(args.config)
+    cfg.deterministic = "request"
+    built = build_engine(cfg)
+    engine, tok = built.engine, built.tokenizer
+    chosen = (mt_bench()[::10] + human_eval())[: args.prompts]
+    prompts = [encode(tok, p) for p in chosen]
+    n, on, off = len(prompts), SpecParams(k=args.k), SpecParams(enabled=False)
+
+    def run(det: bool, ps: list[list[int]], spec: SpecParams, seeds=None):
+        params = [
+            SamplingParams(
+                temperature=0 if seeds is None else 0.8,
+                seed=None if seeds is None else seeds[i],
+                max_tokens=args.max_tokens,
+                deterministic=det,
+            )
+            for i in range(len(ps))
+        ]
+        t0 = time.perf_counter()
+        seqs = engine.generate(ps, params, spec)
+        return [s.output_ids for s in seqs], time.perf_counter() - t0
+
+    engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    out: dict[str, dict] = {m: {} for m in MODES}
+    speed: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
+
+    def record(mode: str, key: str, outputs, seconds: float) -> None:
+        out[mode].setdefault(key, []).extend(outputs)
+        tokens, secs = speed[mode].setdefault(key, [0.0, 0.0])
+        speed[mode][key] = [tokens + sum(len(o) for o in outputs), secs + seconds]
+
+    seeds = list(range(100, 100 + n))
+    for i, p in enumerate(prompts):
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            det = mode == "deterministic"
+            record(mode, "alone plain", *run(det, [p], off))
+            record(mode, "alone spec", *run(det, [p], on))
+            record(mode, "alone seeded", *run(det, [p], SpecParams(), seeds[i : i + 1]))
+    for j, mode in enumerate(MODES + MODES[::-1]):
+        det, key = mode == "deterministic", f"#{j // 2}"
+        record(mode, "batch plain" + key, *run(det, prompts, off))
+        record(mode, "batch spec" + key, *run(det, prompts, on))
+        record(mode, "batch seeded" + key, *run(det, prompts, SpecParams(), seeds))
+
+    def differ(mode: str, a: str, b: str) -> int:
+        return sum(x != y for x, y in zip(out[mode][a], out[mode][b]))
+
+    def rate(mode: str, key: str) -> float:
+        pairs = [v for k, v in speed[mode].items() if k.startswith(key)]
+        return sum(t for t, _ in pairs) / sum(s for _, s in pairs)
+
+    dtype = cfg.model.dtype
+    lines = [
+        (
+            f"# python -m loadtest.bench.deterministic --config {args.config} --prompts {n} "
+            f"--max-tokens {args.max_tokens} --k {args.k}"
+        ),
+        (
+            f"# {n} prompts (MT-Bench, HumanEval), {dtype}, drafter {cfg.drafter.method} at "
+            f"K = {args.k}, batch {n} when batched; threads {torch.get_num_threads()}"
+        ),
+        f"# prompts whose output differs (of {n}){'':<4}{'default':>10}{'deterministic':>15}",
+    ]
+    checks = [
+        ("greedy: speculation on vs off, alone", "alone spec", "alone plain"),
+        ("greedy: speculation on vs off, batched", "batch spec#0", "batch plain#0"),
+        ("greedy: batched vs alone", "batch plain#0", "alone plain"),
+        ("greedy: batched, two runs", "batch plain#0", "batch plain#1"),
+        ("seeded T=0.8: batched vs alone", "batch seeded#0", "alone seeded"),
+    ]
+    for label, a, b in checks:
+        lines.append(f"{label:<44}{differ('default', a, b):>8}{differ('deterministic', a, b):>15}")
+    lines.append(f"# output tok/s{'':<31}{'default':>8}{'deterministic':>15}{'ratio':>8}")
+    for label, key in (
+        ("plain, one at a time", "alone plain"),
+        ("speculative, one at a time", "alone spec"),
+        (f"plain, batch {n}", "batch plain"),
+        (f"speculative, batch {n}", "batch spec"),
+    ):
+        d, x = rate("default", key), rate("deterministic", key)
+        lines.append(f"{label:<44}{d:>8.1f}{x:>15.1f}{x / d:>8.2f}")
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
