@@ -40,7 +40,6 @@ def with_forced(
     num_draft: list[int],
     draft_probs: torch.Tensor | None,  # [batch, K, vocab] q; None: one-hot on the drafts
     forced: list[list[int]],  # each row's forced run (empty: keep the drafter's)
-    vocab: int,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """The proposal with every forced row's drafts replaced by its forced run (q one-hot on it),
     widened to the longest run: (drafts [batch, K'], num_draft, draft_probs [batch, K', vocab])."""
@@ -49,7 +48,7 @@ def with_forced(
     if wide > width:
         drafts = torch.cat([drafts, drafts.new_zeros(batch, wide - width)], dim=1)
         if draft_probs is not None:
-            pad = draft_probs.new_zeros(batch, wide - width, vocab)
+            pad = draft_probs.new_zeros(batch, wide - width, draft_probs.shape[-1])
             draft_probs = torch.cat([draft_probs, pad], dim=1)
     drafts, num_draft = drafts.clone(), list(num_draft)
     if draft_probs is not None:

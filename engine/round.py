@@ -81,9 +81,7 @@ class Speculator:
             drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
             num_draft, draft_probs = [0] * len(seqs), None
         if any(forced):
-            drafts, num_draft, draft_probs = with_forced(
-                drafts, num_draft, draft_probs, forced, self.vocab_size
-            )
+            drafts, num_draft, draft_probs = with_forced(drafts, num_draft, draft_probs, forced)
         kmax = drafts.shape[1]
         t1 = time.perf_counter()
         # 3. verify: one target pass over [last token, d_1..d_K] per row

@@ -193,6 +193,11 @@ def _wait_gateway(gw: str, t_end: float) -> None:
 
 
 def _restart(r: Replica, futures: list, t_end: float) -> dict:
+    """SIGTERM ``r`` once a request is in flight (waiting up to 10 s for one: at a low rate the
+    gaps between requests are long), start it again, and wait until it is ready."""
+    wait_end = min(t_end, time.monotonic() + 10.0)
+    while all(f.done() for _, f in futures) and time.monotonic() < wait_end:
+        time.sleep(0.01)
     held = sum(1 for _, f in futures if not f.done())  # in flight on both replicas
     code, drain_s = r.terminate(kill_after=max(1.0, t_end - time.monotonic()))
     r.start()

@@ -40,12 +40,12 @@ def models(byte_tok):
 def test_with_forced_replaces_forced_rows_and_widens():
     drafts = torch.tensor([[5, 6], [7, 0]])  # [batch, K]
     q = torch.softmax(torch.randn(2, 2, 10), -1)  # [batch, K, vocab]
-    out, num, probs = with_forced(drafts, [2, 1], q, [[], [1, 2, 3]], vocab=10)
+    out, num, probs = with_forced(drafts, [2, 1], q, [[], [1, 2, 3]])
     assert out.tolist() == [[5, 6, 0], [1, 2, 3]] and num == [2, 3]
     assert torch.equal(probs[0, :2], q[0])  # the drafter's row is untouched
     assert torch.equal(probs[1], torch.eye(10)[[1, 2, 3]])  # q one-hot on the run
     assert drafts.tolist() == [[5, 6], [7, 0]]  # inputs not modified
-    out, num, probs = with_forced(drafts, [2, 1], None, [[4], []], vocab=10)
+    out, num, probs = with_forced(drafts, [2, 1], None, [[4], []])
     assert out.tolist() == [[4, 0], [7, 0]] and num == [1, 1] and probs is None
 
 
