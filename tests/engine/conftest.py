@@ -22,3 +22,17 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    """llguidance's byte tokenizer (grammar tests: the tiny models below speak bytes)."""
+    llguidance = pytest.importorskip("llguidance")
+    return llguidance.LLTokenizer("byte")
+
+
+@pytest.fixture(scope="module")
+def byte_models(byte_tok):
+    """(target: 2 layers, draft: 1 layer) over the byte tokenizer's vocabulary."""
+    make = dict(vocab=byte_tok.vocab_size, hidden=32, heads=2, kv_heads=1, max_positions=64)
+    return tiny_llama(11, layers=2, sharpen=6.0, **make), tiny_llama(12, layers=1, **make)

@@ -1,5 +1,5 @@
 """engine/forced.py: tokens a grammar forces are drafted for free. Over the tiny byte-vocabulary
-models of test_grammar.py: with a grammar that forces a 5-byte run, greedy output equals plain
+byte_models of test_grammar.py: with a grammar that forces a 5-byte run, greedy output equals plain
 decoding while a whole run costs one verify pass and no drafting step; sampled rows keep the run
 too; a seeded row without its own K never gets one (its draws must not depend on drafting). The
 sampled distribution under forced drafts is test_grammar.py's chi-square test (its pattern forces
@@ -22,19 +22,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 PATTERN = r"[ab]cabca[ab]"  # after the first byte, "cabca" is forced
 GRAMMAR = llguidance.LLMatcher.grammar_from_regex(PATTERN)
 PROMPT = [ord(c) for c in "abcab"]
-
-
-@pytest.fixture(scope="module")
-def byte_tok():
-    return llguidance.LLTokenizer("byte")
-
-
-@pytest.fixture(scope="module")
-def models(byte_tok):
-    from tests.helpers import tiny_llama
-
-    make = dict(vocab=byte_tok.vocab_size, hidden=32, heads=2, kv_heads=1, max_positions=64)
-    return tiny_llama(11, layers=2, sharpen=6.0, **make), tiny_llama(12, layers=1, **make)
 
 
 def test_with_forced_replaces_forced_rows_and_widens():
@@ -78,15 +65,15 @@ def _spy_drafter(e, asked: list):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_greedy_forced_run_costs_one_pass_and_equals_plain(models, byte_tok, drafter):
+def test_greedy_forced_run_costs_one_pass_and_equals_plain(byte_models, byte_tok, drafter):
     params = [
         SamplingParams(temperature=0, max_tokens=7, grammar=GRAMMAR),
         SamplingParams(temperature=0, max_tokens=7),  # a free row beside it drafts as usual
     ]
-    e, asked = engine(models, byte_tok, drafter), []
+    e, asked = engine(byte_models, byte_tok, drafter), []
     _spy_drafter(e, asked)
     spec = e.generate([PROMPT] * 2, params, SpecParams(k=3))
-    plain = engine(models, byte_tok, None).generate([PROMPT] * 2, params)
+    plain = engine(byte_models, byte_tok, None).generate([PROMPT] * 2, params)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     assert re.fullmatch(PATTERN, text(spec[0].output_ids))
     # the prefill's pass gives the first byte, one round the 5 forced bytes and the last one
@@ -95,23 +82,23 @@ def test_greedy_forced_run_costs_one_pass_and_equals_plain(models, byte_tok, dra
     assert all(len(ks) == 1 for ks in asked[1:])  # then the free row went on alone
 
 
-def test_sampled_rows_keep_the_forced_run(models, byte_tok):
+def test_sampled_rows_keep_the_forced_run(byte_models, byte_tok):
     n = 16
     params = [SamplingParams(temperature=1.0, max_tokens=7, grammar=GRAMMAR) for _ in range(n)]
-    seqs = engine(models, byte_tok, "model", slots=n).generate([PROMPT] * n, params)
+    seqs = engine(byte_models, byte_tok, "model", slots=n).generate([PROMPT] * n, params)
     assert all(re.fullmatch(PATTERN, text(s.output_ids)) for s in seqs)
     assert all(s.target_passes == 2 for s in seqs)  # the run was accepted whole every time
     seeded = [
         SamplingParams(temperature=1.0, max_tokens=7, seed=i, grammar=GRAMMAR) for i in range(4)
     ]
-    alone = engine(models, byte_tok, None).generate([PROMPT] * 4, seeded)
-    spec = engine(models, byte_tok, "model").generate([PROMPT] * 4, seeded)
+    alone = engine(byte_models, byte_tok, None).generate([PROMPT] * 4, seeded)
+    spec = engine(byte_models, byte_tok, "model").generate([PROMPT] * 4, seeded)
     assert all(s.target_passes == 7 for s in spec)  # K = 0: one token a pass, no forced run
     assert [s.output_ids for s in spec] == [s.output_ids for s in alone]
 
 
-def test_round_stats_count_forced_tokens_apart(models, byte_tok):
-    e = engine(models, byte_tok, "ngram")
+def test_round_stats_count_forced_tokens_apart(byte_models, byte_tok):
+    e = engine(byte_models, byte_tok, "ngram")
     e.add_request("r", PROMPT, SamplingParams(temperature=0, max_tokens=7, grammar=GRAMMAR))
     stats = []
     while e.has_work():

@@ -16,7 +16,7 @@ from engine.grammar import GrammarCompiler, apply_grammar
 from engine.sampling import SamplingParams, logits_to_probs
 from engine.sequence import SpecParams
 from tests.engine.test_engine_distribution import gof
-from tests.helpers import engine_for, tiny_llama
+from tests.helpers import engine_for
 
 llguidance = pytest.importorskip("llguidance")
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -25,22 +25,10 @@ PATTERN = r"[ab]{2}c[ab]"
 PROMPT = [ord(c) for c in "abcab"]
 
 
-@pytest.fixture(scope="module")
-def byte_tok():
-    return llguidance.LLTokenizer("byte")
-
-
-@pytest.fixture(scope="module")
-def models(byte_tok):
-    v = byte_tok.vocab_size
-    make = dict(vocab=v, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=6.0)
-    return tiny_llama(11, layers=2, **make), tiny_llama(12, layers=1, **make)
-
-
-def engine(models, byte_tok, drafter, slots=4):
+def engine(byte_models, byte_tok, drafter, slots=4):
     grammars = GrammarCompiler(None, byte_tok.vocab_size)
     grammars._tokenizer = byte_tok  # the tiny model speaks bytes
-    e = engine_for(models, drafter, slots=slots, chunk=10**6, max_len=16, max_prefill=slots)
+    e = engine_for(byte_models, drafter, slots=slots, chunk=10**6, max_len=16, max_prefill=slots)
     e.grammars = grammars
     return e
 
@@ -53,13 +41,13 @@ GRAMMAR = llguidance.LLMatcher.grammar_from_regex(PATTERN)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_greedy_under_a_grammar_equals_plain_and_matches(models, byte_tok, drafter):
+def test_greedy_under_a_grammar_equals_plain_and_matches(byte_models, byte_tok, drafter):
     params = [
         SamplingParams(temperature=0, max_tokens=4, grammar=GRAMMAR),
         SamplingParams(temperature=0, max_tokens=4),  # a free row beside it
     ]
-    spec = engine(models, byte_tok, drafter).generate([PROMPT] * 2, params, SpecParams(k=3))
-    plain = engine(models, byte_tok, None).generate([PROMPT] * 2, params)
+    spec = engine(byte_models, byte_tok, drafter).generate([PROMPT] * 2, params, SpecParams(k=3))
+    plain = engine(byte_models, byte_tok, None).generate([PROMPT] * 2, params)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     assert re.fullmatch(PATTERN, text(spec[0].output_ids))
     assert not re.fullmatch(PATTERN, text(spec[1].output_ids))  # the model alone would not
@@ -94,8 +82,10 @@ def _first_mask_everywhere(logits, seqs, drafts):
 
 
 @pytest.mark.slow
-def test_sampled_under_a_grammar_follows_the_masked_distribution(models, byte_tok, monkeypatch):
-    joint = exact_joint_masked(models[0], byte_tok, 1.0)
+def test_sampled_under_a_grammar_follows_the_masked_distribution(
+    byte_models, byte_tok, monkeypatch
+):
+    joint = exact_joint_masked(byte_models[0], byte_tok, 1.0)
     n = 2000
     runs = []  # the pattern forces its "c": those rounds draft it for free (forced.py)
     monkeypatch.setattr(
@@ -103,7 +93,7 @@ def test_sampled_under_a_grammar_follows_the_masked_distribution(models, byte_to
     )
 
     def run():
-        e = engine(models, byte_tok, "model", slots=1024)
+        e = engine(byte_models, byte_tok, "model", slots=1024)
         params = [
             SamplingParams(temperature=1.0, max_tokens=4, seed=i, grammar=GRAMMAR) for i in range(n)
         ]
