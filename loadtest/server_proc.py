@@ -40,15 +40,15 @@ def process_tree(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         try:
-            kids = [
-                int(k)
-                for t in Path(f"/proc/{p}/task").iterdir()
-                for k in (t / "children").read_text().split()
-            ]
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
         except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
+            continue  # the process is gone
         out.append(p)
-        todo += kids
+        for t in tasks:
+            try:
+                todo += [int(k) for k in (t / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue  # a thread that ended meanwhile (the process itself lives on)
     return out
 
 

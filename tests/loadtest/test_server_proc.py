@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -57,6 +58,29 @@ def test_listening_ports_and_tree_of_this_process():
         assert s.getsockname()[1] in listening_ports(os.getpid())
     assert process_tree(os.getpid())[0] == os.getpid()
     assert rss_mib(os.getpid()) > 0
+
+
+def test_a_thread_ending_meanwhile_does_not_lose_the_process(monkeypatch):
+    """A thread of the process may end between listing its tasks and reading one's children
+    (the test suite's own process starts and ends threads all the time)."""
+    from pathlib import Path
+
+    done = threading.Event()
+    worker = threading.Thread(target=done.wait)
+    worker.start()
+    read = Path.read_text
+
+    def gone_thread(self, *a, **k):
+        if self.name == "children" and self.parent.name != str(os.getpid()):
+            raise FileNotFoundError(self)
+        return read(self, *a, **k)
+
+    try:
+        monkeypatch.setattr(Path, "read_text", gone_thread)
+        assert process_tree(os.getpid())[0] == os.getpid()
+    finally:
+        done.set()
+        worker.join()
 
 
 def test_stop_process_kills_a_child_that_ignores_sigterm():
