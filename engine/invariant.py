@@ -74,7 +74,7 @@ def forward(
     tok = torch.zeros(padded, dtype=torch.long, device=dev)
     tok[:n] = ids[b_idx, j_idx]
     h = runner.embed(tok)  # [tokens, hidden]
-    pos_t = torch.tensor(pos, device=dev)
+    pos_t, slot_t = torch.tensor(pos, device=dev), torch.tensor(slot, device=dev)
     cos, sin = runner.rotary(h[None], pos_t[None])  # [1, tokens, head_dim]
     cos, sin = cos[0, :, None], sin[0, :, None]  # [tokens, 1, head_dim]
     groups = _length_groups(pos, runner.cache.k[0].shape[2], dev)
@@ -82,7 +82,7 @@ def forward(
     for i, w in enumerate(runner.weights):
         if i in runner.taps:
             taps.append(h)
-        h = _layer(runner, i, w, h, cos, sin, pos_t, torch.tensor(slot, device=dev), n, groups)
+        h = _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups)
     h = tiled(runner.norm, h)
     runner.tapped = _unflatten(torch.cat(taps, -1), b_idx, j_idx, batch, q) if taps else None
     if mode == "hidden":

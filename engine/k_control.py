@@ -42,7 +42,7 @@ Reproducibility
 ---------------
 K depends on measured times and on the batch, and the rejection rule consumes a sampled request's
 random draws per K, so a seeded sampled request (temperature > 0 and a seed) runs at its fixed
-``speculation.k`` if it sent one, else at K = 0 (:func:`_pinned_k`), under every controller.
+``speculation.k`` if it sent one, else at K = 0 (:func:`pinned_k`), under every controller.
 Greedy output is exact whatever K.
 
 Other controllers behind the same interface: :class:`FixedK` (one K for every round) and
@@ -101,7 +101,7 @@ class KController:
         times (the round without its draft phase, the draft phase)."""
 
 
-def _pinned_k(seq: Sequence, cap: int) -> int | None:
+def pinned_k(seq: Sequence, cap: int) -> int | None:
     """K fixed by the request itself (or forced to 0), else None (the controller decides)."""
     if cap <= 0:
         return 0
@@ -119,7 +119,7 @@ class FixedK(KController):
         self.k = k
 
     def k_for(self, seq, cap):
-        pinned = _pinned_k(seq, cap)
+        pinned = pinned_k(seq, cap)
         return min(self.k, cap) if pinned is None else pinned
 
 
@@ -132,7 +132,7 @@ class HeuristicK(KController):
         self.k_init, self.k_max = k_init, k_max
 
     def k_for(self, seq, cap):
-        pinned = _pinned_k(seq, cap)
+        pinned = pinned_k(seq, cap)
         if pinned is not None:
             return pinned
         if seq.kstate.heuristic_k is None:
@@ -183,7 +183,7 @@ class AdaptiveK(KController):
 
     # -- the engine's calls ---------------------------------------------------------------------
     def k_for(self, seq, cap):
-        pinned = _pinned_k(seq, cap)
+        pinned = pinned_k(seq, cap)
         if pinned is not None:
             return pinned
         if self._k_next is None:  # nothing measured yet: decide for this row alone
@@ -196,7 +196,7 @@ class AdaptiveK(KController):
         st = seq.kstate
         st.update(k, stats.drafted, stats.accepted, self.decay)
         if next_cap is not None:
-            self._add_row(st, _pinned_k(seq, next_cap), next_cap)
+            self._add_row(st, pinned_k(seq, next_cap), next_cap)
 
     def _add_row(self, st: KState, pinned: int | None, cap: int) -> None:
         """Add one row to the batch sums that :meth:`_decide` weighs."""
