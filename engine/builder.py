@@ -11,6 +11,7 @@ from . import invariant
 from .config import EngineConfig
 from .drafters import Drafter, ModelDrafter, NgramDrafter
 from .drafters.eagle import EagleDrafter
+from .drafters.hybrid import HybridDrafter
 from .drafters.model import check_same_vocab
 from .eagle_head import load_head
 from .engine import SpecEngine
@@ -123,6 +124,8 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     elif d.method == "eagle3":
         drafter = eagle_drafter(d.source, model, runner)
+        if d.ngram_fallback:
+            drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
     else:
         raise ValueError(
             f"unknown drafter method {d.method!r} (eagle3, ngram, model, self, layers, none)"

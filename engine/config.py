@@ -47,6 +47,9 @@ class DrafterConfig:
     num_layers: int | None = None
     ngram_min: int = 1
     ngram_max: int = 3
+    # eagle3 only: rows whose last ``ngram_fallback`` (.. ngram_max) tokens occurred before copy
+    # what followed them instead of asking the head (drafters/hybrid.py); 0 = the head only
+    ngram_fallback: int = 0
     # how K is chosen each round (engine/k_control.py): adaptive (goodput rule) | heuristic
     # (transformers' +2/-1 schedule, starting at k) | fixed (always k)
     controller: str = "adaptive"

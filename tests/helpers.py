@@ -12,6 +12,7 @@ import torch
 
 from engine.drafters import ModelDrafter, NgramDrafter
 from engine.drafters.eagle import EagleDrafter
+from engine.drafters.hybrid import HybridDrafter
 from engine.engine import SpecEngine
 from engine.model_runner import ModelRunner
 from engine.sampling import logits_to_probs
@@ -72,7 +73,8 @@ def engine_for(
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
     e.g. a bf16 draft of an fp32 target), ``"layers"`` (the target's first ``num_layers``
-    layers), ``"eagle3"`` (the EAGLE-3 ``head`` over the target's features), ``"ngram"``, or
+    layers), ``"eagle3"`` (the EAGLE-3 ``head`` over the target's features; ``"eagle3+ngram"``:
+    with the n-gram fallback of drafters/hybrid.py), ``"ngram"``, or
     None / ``"none"`` (plain decoding)."""
     target, draft = models if isinstance(models, tuple | list) else (models, None)
     runner = ModelRunner(target, num_slots=slots, max_len=max_len)
@@ -81,10 +83,12 @@ def engine_for(
         d = None
     elif drafter == "ngram":
         d = NgramDrafter(runner.device)
-    elif drafter == "eagle3":
+    elif drafter in ("eagle3", "eagle3+ngram"):
         if head is None:
-            raise ValueError("drafter 'eagle3' needs a head")
+            raise ValueError(f"drafter {drafter!r} needs a head")
         d = EagleDrafter(head, target.model.embed_tokens, slots, runner.max_len, vocab)
+        if drafter == "eagle3+ngram":  # copies where the last 2+ tokens occurred before
+            d = HybridDrafter(d, min_match=2, max_n=4)
     elif drafter in ("model", "self", "layers"):
         if drafter == "model":
             if draft is None:

@@ -16,9 +16,16 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> 
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest suffix
     n-gram (max_n down to min_n) of ``tokens``; a match with a full k-token continuation is
     preferred to a more recent, shorter one."""
+    return ngram_match(tokens, k, min_n, max_n)[1]
+
+
+def ngram_match(
+    tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3
+) -> tuple[int, list[int]]:
+    """:func:`ngram_lookup`'s draft with the length n of the suffix it matched (0, [] if none)."""
     length = len(tokens)
     if k <= 0:
-        return []
+        return 0, []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         windows = sliding_window_view(tokens[:-1], n)  # [length - n, n]: every earlier n-gram
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
@@ -27,8 +34,16 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> 
         starts = hits + n  # where each match's continuation begins
         full = starts[starts + k <= length]
         start = int(full[-1]) if full.size else int(starts[0])
-        return tokens[start : start + k].tolist()
-    return []
+        return n, tokens[start : start + k].tolist()
+    return 0, []
+
+
+def grammar_prefix(seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
+    """Each grammar row's draft cut to the prefix its grammar allows (exact: q stays one-hot)."""
+    return [
+        d[: s.matcher.validate_tokens(d)] if s.matcher is not None and d else d
+        for s, d in zip(seqs, drafts)
+    ]
 
 
 class NgramDrafter(DrafterBase):
@@ -49,11 +64,7 @@ class NgramDrafter(DrafterBase):
             ngram_lookup(s.token_array(), k, self.min_n, self.max_n) if k > 0 else []
             for s, k in zip(seqs, ks)
         ]
-        # a grammar row drafts only the prefix its grammar allows (exact: q stays one-hot)
-        drafts = [
-            d[: s.matcher.validate_tokens(d)] if s.matcher is not None and d else d
-            for s, d in zip(seqs, drafts)
-        ]
+        drafts = grammar_prefix(seqs, drafts)
         width = max([len(d) for d in drafts] + [0])
         padded = [d + [0] * (width - len(d)) for d in drafts]
         tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(

@@ -37,12 +37,25 @@ from loadtest.server_proc import HOST, spawn, specd_server
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "controller": "adaptive", "k_max": 7}
 
 
-def configs(path: Path) -> dict[str, dict]:
-    """The config as given, and the same with the n-gram drafter."""
+def configs(path: Path, fallback: int = 3) -> dict[str, dict]:
+    """The config as given, and the same with the n-gram drafter; for an EAGLE-3 config, the
+    head with and without the per-row n-gram fallback (``ngram_fallback``: drafters/hybrid.py)."""
     data = yaml.safe_load(path.read_text())
-    ngram = json.loads(json.dumps(data))
-    ngram["engine"]["drafter"] = NGRAM
-    return {data["engine"]["drafter"]["method"]: data, "ngram": ngram}
+
+    def variant(drafter: dict) -> dict:
+        out = json.loads(json.dumps(data))
+        out["engine"]["drafter"] = drafter
+        return out
+
+    d = data["engine"]["drafter"]
+    if d["method"] != "eagle3":
+        return {d["method"]: data, "ngram": variant(NGRAM)}
+    head = {k: v for k, v in d.items() if k != "ngram_fallback"}
+    return {
+        "eagle3": variant(head),
+        "eagle3+ngram": variant(head | {"ngram_fallback": d.get("ngram_fallback") or fallback}),
+        "ngram": variant(NGRAM),
+    }
 
 
 LLAMA = {"llama": [], "llama-spec": ["--spec-default"]}  # llama-server runs: extra flags
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "llama-server plain (medians)"
         ),
         (
-            f"{'server':<11}{'drafter':<10}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
+            f"{'server':<13}{'drafter':<13}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
             f"{'x plain':>9}{'x llama':>9}{'errors':>8}"
         ),
     ]
@@ -139,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 tok_s = med(r["output_tok_s"] for r in rs)
                 own = med(r["output_tok_s"] / plain[r["repeat"]] for r in rs) if plain else None
                 lines.append(
-                    f"{server:<11}{drafter:<10}{c:>8}{tok_s:>9.1f}"
+                    f"{server:<13}{drafter:<13}{c:>8}{tok_s:>9.1f}"
                     f"{med(r['itl_p95_ms'] for r in rs):>12.0f}"
                     + (f"{own:>9.2f}" if own is not None else f"{'-':>9}")
                     + (f"{tok_s / med(llama):>9.2f}" if llama else f"{'-':>9}")

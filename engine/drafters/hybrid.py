@@ -1,0 +1,83 @@
+"""EAGLE-3 with a per-row n-gram fallback: where a row's text repeats itself, copy; else the head.
+
+Each round, for every row that may draft (K > 0), the n-gram lookup (drafters/ngram.py) looks
+for the row's last ``min_match``..``max_n`` tokens earlier in its prompt + output. A row with
+such a match drafts the tokens that followed it, with a one-hot q (a deterministic draft); every
+other row is drafted by the EAGLE-3 head with its own q (drafters/eagle.py). Both are exact in
+the rejection rule, so the output stays the target's whatever each row takes.
+
+The head keeps every row's state in step either way: a row drafted by n-gram leaves its target
+features pending, and the head takes them in the next time it drafts for that row (its
+``commit`` already drops whatever a verify rejected). ``min_match`` sets how strong a repeat
+must be before copying beats the head: a one-token match is nearly always there and rarely right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..plan import RoundPlan
+from ..sequence import Sequence
+from .base import DrafterBase, Proposal
+from .eagle import EagleDrafter
+from .ngram import grammar_prefix, ngram_match
+
+
+class HybridDrafter(DrafterBase):
+    name = "eagle3+ngram"
+    samples = True  # the head's rows sample
+
+    def __init__(self, eagle: EagleDrafter, min_match: int = 3, max_n: int = 4):
+        if not 1 <= min_match <= max_n:
+            raise ValueError("need 1 <= ngram_fallback <= ngram_max")
+        self.eagle, self.min_match, self.max_n = eagle, min_match, max_n
+        self.taps = eagle.taps
+        self.copied = 0  # rows drafted by the n-gram lookup, for tests and benchmarks
+        self.headed = 0  # rows drafted by the head
+        self.last_copied: list[int] = []  # the last proposal's copied rows
+
+    # the head's state follows every row, whoever drafts it
+    def observe(self, seqs, hidden, starts, counts) -> None:
+        self.eagle.observe(seqs, hidden, starts, counts)
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.eagle.add(seqs)
+
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        self.eagle.fork(src, dst)
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        self.eagle.commit(seqs)
+
+    def remove(self, seq: Sequence) -> None:
+        self.eagle.remove(seq)
+
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
+        ks = list(plan.ks)
+        copies = [
+            ngram_match(s.token_array(), k, self.min_match, self.max_n)[1] if k > 0 else []
+            for s, k in zip(seqs, ks)
+        ]
+        copies = grammar_prefix(seqs, copies)
+        head_ks = [0 if c else k for c, k in zip(copies, ks)]
+        self.last_copied = [b for b, c in enumerate(copies) if c]
+        self.copied += len(self.last_copied)
+        self.headed += sum(1 for k in head_ks if k > 0)
+        prop = self.eagle.propose(seqs, replace(plan, ks=head_ks))
+        width = max([len(c) for c in copies] + [prop.tokens.shape[1]])
+        dev = prop.tokens.device
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)  # [batch, K]
+        tokens[:, : prop.tokens.shape[1]] = prop.tokens
+        assert prop.probs is not None
+        probs = prop.probs.new_zeros(len(seqs), width, prop.probs.shape[2])  # [batch, K, vocab]
+        probs[:, : prop.probs.shape[1]] = prop.probs
+        num = list(prop.num)
+        for b, c in enumerate(copies):
+            if c:
+                row = torch.tensor(c, dtype=torch.long, device=dev)
+                tokens[b, : len(c)] = row
+                probs[b, torch.arange(len(c), device=dev), row] = 1.0  # one-hot q
+                num[b] = len(c)
+        return Proposal(tokens, num, probs)

@@ -1,0 +1,25 @@
+"""loadtest/bench/drafters.py: which server configs one run compares."""
+
+from pathlib import Path
+
+from engine.config import EngineConfig
+from loadtest.bench.drafters import configs
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_an_eagle_config_runs_the_head_with_and_without_the_fallback_and_ngram():
+    runs = configs(ROOT / "configs" / "cpu-eagle.yaml")
+    assert list(runs) == ["eagle3", "eagle3+ngram", "ngram"]
+    drafters = {name: EngineConfig.from_dict(c["engine"]).drafter for name, c in runs.items()}
+    assert drafters["eagle3"].method == "eagle3" and drafters["eagle3"].ngram_fallback == 0
+    assert drafters["eagle3+ngram"].method == "eagle3"
+    assert drafters["eagle3+ngram"].ngram_fallback == 3
+    assert drafters["eagle3+ngram"].source == drafters["eagle3"].source
+    assert drafters["ngram"].method == "ngram"
+    same = {k: v for k, v in runs["ngram"]["engine"].items() if k != "drafter"}
+    assert same == {k: v for k, v in runs["eagle3"]["engine"].items() if k != "drafter"}
+
+
+def test_an_ngram_config_runs_itself_and_ngram():
+    assert list(configs(ROOT / "configs" / "default.yaml")) == ["ngram"]
