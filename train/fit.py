@@ -181,7 +181,9 @@ def run(args: argparse.Namespace) -> None:
         "init": args.init,
         "noise": args.noise,
         "draft_vocab": len(ids),
-        "draft_vocab_from": args.vocab_from or args.train_files,
+        "draft_vocab_from": (
+            f"{args.init} (kept)" if args.init else args.vocab_from or args.train_files
+        ),
         "draft_vocab_coverage": round(coverage, 4),
         "wall_seconds": round(seconds, 1),
         "eval_data": str(data / args.eval_file),
