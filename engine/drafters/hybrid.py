@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
+from ..forced import with_forced
 from ..plan import RoundPlan
 from ..sequence import Sequence
 from .base import DrafterBase, Proposal
@@ -66,18 +65,7 @@ class HybridDrafter(DrafterBase):
         self.copied += len(self.last_copied)
         self.headed += sum(1 for k in head_ks if k > 0)
         prop = self.eagle.propose(seqs, replace(plan, ks=head_ks))
-        width = max([len(c) for c in copies] + [prop.tokens.shape[1]])
-        dev = prop.tokens.device
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=dev)  # [batch, K]
-        tokens[:, : prop.tokens.shape[1]] = prop.tokens
         assert prop.probs is not None
-        probs = prop.probs.new_zeros(len(seqs), width, prop.probs.shape[2])  # [batch, K, vocab]
-        probs[:, : prop.probs.shape[1]] = prop.probs
-        num = list(prop.num)
-        for b, c in enumerate(copies):
-            if c:
-                row = torch.tensor(c, dtype=torch.long, device=dev)
-                tokens[b, : len(c)] = row
-                probs[b, torch.arange(len(c), device=dev), row] = 1.0  # one-hot q
-                num[b] = len(c)
+        # a copied row was asked for nothing: its copy goes in as a one-hot run, like a forced one
+        tokens, num, probs = with_forced(prop.tokens, prop.num, prop.probs, copies)
         return Proposal(tokens, num, probs)
