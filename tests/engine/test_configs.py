@@ -92,3 +92,32 @@ def test_cpu_eagle_config_builds_and_speculates_exactly():
     spec = e.generate([ids], greedy, SpecParams(k=3))[0]
     assert spec.output_ids == plain
     assert spec.drafted > 0 and e.drafter_failures == 0
+
+
+def test_default_config_is_the_4bit_target_and_speculates_exactly():
+    """configs/default.yaml built for real: its Q4_1 layers run 4-bit, eagerly. bf16 rounding
+    depends on a forward's shape, so the exact check runs it in deterministic mode (the
+    batch-invariant forward, engine/invariant.py, proven on the 4-bit weights at build): greedy
+    n-gram speculation at the adaptive K equals the same target decoding alone, on a ragged
+    batch of a chat and a repetitive completion. In float32 the builder keeps dense weights."""
+    data = yaml.safe_load((CONFIG.parent / "default.yaml").read_text())["engine"]
+    assert data["model"]["native_q4"] and not data.get("compile", {}).get("enabled")
+    b = build_engine(EngineConfig.from_dict({**data, "deterministic": "always"}))
+    e = b.engine
+    assert isinstance(e.drafter, NgramDrafter) and e.controller.name == "adaptive"
+    assert any(isinstance(x, Q4Weight) for x in e.target.weights[0])
+    chat = b.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List the days of the week."}], add_generation_prompt=True
+    )
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    prompts = [chat, b.tokenizer(COUNT, return_tensors=None)["input_ids"]]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    plain = [s.output_ids for s in e.generate(prompts, greedy, SpecParams(enabled=False))]
+    spec = e.generate(prompts, greedy, SpecParams(k=3))
+    assert [s.output_ids for s in spec] == plain
+    assert sum(s.drafted for s in spec) > 0 and sum(s.accepted for s in spec) > 0
+    assert e.target.cache.used_tokens() == 0
+    fp32 = build_engine(
+        EngineConfig.from_dict({**data, "model": {**data["model"], "dtype": "float32"}})
+    )
+    assert not any(isinstance(x, Q4Weight) for x in fp32.engine.target.weights[0])

@@ -89,6 +89,8 @@ def test_converted_weights_are_the_files(real_fp32):
 
 
 def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
+    """In float32 (exact), with the 4-bit layers put in by hand: a float32 config's native_q4
+    keeps dense weights (torch's float32 int4 matmul is slow), which the builder test checks."""
     cfg = EngineConfig.from_dict(
         {
             "model": {"dtype": "float32", "native_q4": True},
@@ -98,6 +100,8 @@ def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
         }
     )
     engine = build_engine(cfg, real_fp32).engine
+    assert isinstance(engine.target.weights[0].q, torch.Tensor)  # dense in float32
+    assert use_native_q4(REAL_SPEC, *engine.runners()) == 210
     assert isinstance(engine.target.weights[0].qkv, Q4Weight)
     _, tok = real_fp32
     prompts = [
