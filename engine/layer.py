@@ -29,10 +29,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama RMSNorm, as a function (in float32, scaled in the input dtype)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """transformers' Llama RMSNorm, as a function (in float32, scaled in the input dtype), with
+    torch's one-kernel ``F.rms_norm`` for its five float32 steps."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,22 @@ def _qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, 
     return linear(x, w.q, w.q_bias), linear(x, w.k, w.k_bias), linear(x, w.v, w.v_bias)
 
 
+def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys side by side ``[batch, q, (heads + kv_heads) * head_dim]`` (qwen3: after
+    their per-head norms) and values ``[batch, q, kv_heads * head_dim]`` of ``x``
+    ``[batch, q, hidden]``: slices of the fused 4-bit output, else Q and K concatenated."""
+    if w.qkv is not None and w.q_norm is None:
+        y = linear(x, w.qkv)
+        nv = w.qkv.split[2]
+        return y[..., :-nv], y[..., -nv:]
+    qs, ks, vs = _qkv(x, w)
+    if w.q_norm is not None and w.k_norm is not None:  # qwen3
+        B, q, hd = x.shape[0], x.shape[1], shape.head_dim
+        qs = rms_norm(qs.reshape(B, q, -1, hd), w.q_norm, shape.eps).flatten(2)
+        ks = rms_norm(ks.reshape(B, q, -1, hd), w.k_norm, shape.eps).flatten(2)
+    return torch.cat([qs, ks], dim=-1), vs
+
+
 def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate and up projections of ``x`` ``[batch, q, hidden]``: ``[batch, q, intermediate]``."""
     if w.gate_up is not None:  # one fused 4-bit matrix
@@ -117,15 +132,12 @@ def decoder_layer(
     kv_len = mask.shape[-1]
     if x is None:
         x = rms_norm(h, w.input_norm, shape.eps)
-    qs, ks, vs = _qkv(x, w)
-    qs = qs.reshape(B, q, nh, hd)
-    ks = ks.reshape(B, q, kvh, hd)
+    qk, vs = _qk_v(x, w, shape)
     vs = vs.reshape(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
-    if w.q_norm is not None and w.k_norm is not None:  # qwen3
-        qs, ks = rms_norm(qs, w.q_norm, shape.eps), rms_norm(ks, w.k_norm, shape.eps)
-    qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [batch, heads, q, head_dim]
-    qs = qs * cos + _rotate_half(qs) * sin
-    ks = ks * cos + _rotate_half(ks) * sin
+    # RoPE on queries and keys as one tensor (the same elementwise arithmetic, half the calls)
+    qk = qk.view(B, q, nh + kvh, hd).transpose(1, 2)
+    qk = qk * cos + _rotate_half(qk) * sin  # [batch, heads + kv_heads, q, head_dim]
+    qs, ks = qk[:, :nh], qk[:, nh:]  # [batch, heads | kv_heads, q, head_dim]
     kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
     vc[slot_t[:, None], :, write_pos] = vs
     if first_slot is not None:  # views: [batch, kv_heads, kv_len, head_dim]
@@ -133,9 +145,17 @@ def decoder_layer(
         vals = vc[first_slot : first_slot + B, :, :kv_len]
     else:
         keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
+    gqa = kvh != nh
+    if gqa and qs.dtype != torch.float32:
+        # GQA as MHA: each KV head's query heads become its rows, [batch, kv_heads, group*q, hd],
+        # the mask repeated per group. torch's CPU SDPA with enable_gqa took 2-6x longer for
+        # 1-token queries in bf16; in float32 its 1-token path is the faster one
+        # (loadtest/results/bench_attention.txt). The same attention, to rounding.
+        group, gqa = nh // kvh, False
+        qs, mask = qs.reshape(B, kvh, group * q, hd), mask.repeat(1, 1, group, 1)
     o = F.scaled_dot_product_attention(
-        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
-    )  # [batch, heads, q, head_dim]
+        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=gqa
+    ).view(B, nh, q, hd)  # [batch, heads, q, head_dim]
     h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), w.o)
     x = rms_norm(h, w.post_norm, shape.eps)
     g, u = _gate_up(x, w)
