@@ -83,8 +83,8 @@ def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Te
     """Queries and keys side by side ``[batch, q, (heads + kv_heads) * head_dim]`` (qwen3: after
     their per-head norms) and values ``[batch, q, kv_heads * head_dim]`` of ``x``
     ``[batch, q, hidden]``: slices of the fused 4-bit output, else Q and K concatenated."""
-    if w.qkv is not None and w.q_norm is None:
-        y = linear(x, w.qkv)
+    if w.qkv is not None and w.qkv.split is not None and w.q_norm is None:
+        y = linear(x, w.qkv)  # [batch, q, q_out + k_out + v_out]
         nv = w.qkv.split[2]
         return y[..., :-nv], y[..., -nv:]
     qs, ks, vs = _qkv(x, w)
