@@ -104,6 +104,14 @@ def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tens
     return linear(x, w.gate), linear(x, w.up)
 
 
+def grouped_mask(mask: torch.Tensor, shape: LayerShape, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` ``[batch, 1, q, kv_len]`` repeated for :func:`decoder_layer`'s grouped attention
+    (``[batch, 1, group * q, kv_len]``) where it runs so, else as given: built once a forward
+    instead of once a layer."""
+    group = shape.num_heads // shape.kv_heads
+    return mask.repeat(1, 1, group, 1) if group > 1 and dtype != torch.float32 else mask
+
+
 def decoder_layer(
     h: torch.Tensor,
     w: LayerWeights,
@@ -122,7 +130,8 @@ def decoder_layer(
     graph serves every layer. h ``[batch, q, hidden]`` (the residual stream); ``x`` the
     attention's input (default ``rms_norm(h)``; the EAGLE-3 head's layer attends over
     [normed token embedding, normed feature] ``[batch, q, 2 hidden]``, engine/eagle_head.py);
-    cos/sin ``[batch, 1, q, head_dim]``; mask ``[batch, 1, q, kv_len]``; kc/vc this layer's
+    cos/sin ``[batch, 1, q, head_dim]``; mask ``[batch, 1, q, kv_len]`` (or already
+    :func:`grouped_mask`); kc/vc this layer's
     cache ``[slots, kv_heads, max_len+1, head_dim]`` (written in place at ``write_pos``
     ``[batch, q]`` of rows ``slot_t`` ``[batch]``). Keys are read as a view of slots
     ``first_slot ..`` when the rows are consecutive slots from there, else gathered by
@@ -152,7 +161,9 @@ def decoder_layer(
         # 1-token queries in bf16; in float32 its 1-token path is the faster one
         # (loadtest/results/bench_attention.txt). The same attention, to rounding.
         group, gqa = nh // kvh, False
-        qs, mask = qs.reshape(B, kvh, group * q, hd), mask.repeat(1, 1, group, 1)
+        qs = qs.reshape(B, kvh, group * q, hd)
+        if mask.shape[-2] != group * q:  # not yet grouped by the caller (grouped_mask)
+            mask = mask.repeat(1, 1, group, 1)
     o = F.scaled_dot_product_attention(
         qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=gqa
     ).view(B, nh, q, hd)  # [batch, heads, q, head_dim]

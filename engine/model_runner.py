@@ -18,7 +18,7 @@ import torch
 from . import invariant
 from .fast_forward import FastForward, disable
 from .kv_cache import SlotKVCache
-from .layer import config_shape, decoder_layer
+from .layer import config_shape, decoder_layer, grouped_mask
 from .layer_weights import LayerWeights, from_layer
 from .quant import Q4Weight, q4_linear
 
@@ -215,12 +215,14 @@ class ModelRunner:
         :func:`decoder_layer` (engine/fast_forward.py), default eager. Returns the final-normed
         hidden states ``[batch, q, hidden]``; K/V of every query token written in place; the
         inputs of the layers in ``taps`` kept in ``tapped``."""
-        layer_fn = layer_fn or decoder_layer
         cache, tapped = self.cache, []
         h = self.embed(ids)  # [batch, q, hidden]
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
+        if layer_fn is None:  # eager: grouped once, not once a layer (the compiled graph
+            mask = grouped_mask(mask, self.shape, h.dtype)  # marks q dynamic on the mask)
+        layer_fn = layer_fn or decoder_layer
         for i, w in enumerate(self.weights):
             if i in self.taps:
                 tapped.append(h)
