@@ -104,12 +104,18 @@ def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tens
     return linear(x, w.gate), linear(x, w.up)
 
 
-def grouped_mask(mask: torch.Tensor, shape: LayerShape, dtype: torch.dtype) -> torch.Tensor:
+def _grouped(x: torch.Tensor) -> bool:
+    """Whether grouped-query attention runs as MHA over query rows for activations like ``x``:
+    on CPU below float32 (measured there; CUDA keeps SDPA's own GQA)."""
+    return x.device.type == "cpu" and x.dtype != torch.float32
+
+
+def grouped_mask(mask: torch.Tensor, shape: LayerShape, like: torch.Tensor) -> torch.Tensor:
     """``mask`` ``[batch, 1, q, kv_len]`` repeated for :func:`decoder_layer`'s grouped attention
-    (``[batch, 1, group * q, kv_len]``) where it runs so, else as given: built once a forward
-    instead of once a layer."""
+    (``[batch, 1, group * q, kv_len]``) where it runs so (activations ``like``), else as given:
+    built once a forward instead of once a layer."""
     group = shape.num_heads // shape.kv_heads
-    return mask.repeat(1, 1, group, 1) if group > 1 and dtype != torch.float32 else mask
+    return mask.repeat(1, 1, group, 1) if group > 1 and _grouped(like) else mask
 
 
 def decoder_layer(
@@ -155,10 +161,10 @@ def decoder_layer(
     else:
         keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
     gqa = kvh != nh
-    if gqa and qs.dtype != torch.float32:
+    if gqa and _grouped(qs):
         # GQA as MHA: each KV head's query heads become its rows, [batch, kv_heads, group*q, hd],
         # the mask repeated per group. torch's CPU SDPA with enable_gqa took 2-6x longer for
-        # 1-token queries in bf16; in float32 its 1-token path is the faster one
+        # 1-token queries in bf16 on CPU; in float32 its 1-token path is the faster one
         # (loadtest/results/bench_attention.txt). The same attention, to rounding.
         group, gqa = nh // kvh, False
         qs = qs.reshape(B, kvh, group * q, hd)

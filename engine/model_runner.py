@@ -221,7 +221,7 @@ class ModelRunner:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
         if layer_fn is None:  # eager: grouped once, not once a layer (the compiled graph
-            mask = grouped_mask(mask, self.shape, h.dtype)  # marks q dynamic on the mask)
+            mask = grouped_mask(mask, self.shape, h)  # marks q dynamic on the mask)
         layer_fn = layer_fn or decoder_layer
         for i, w in enumerate(self.weights):
             if i in self.taps:
