@@ -104,18 +104,37 @@ def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tens
     return linear(x, w.gate), linear(x, w.up)
 
 
-def _grouped(x: torch.Tensor) -> bool:
-    """Whether grouped-query attention runs as MHA over query rows for activations like ``x``:
-    on CPU below float32 (measured there; CUDA keeps SDPA's own GQA)."""
-    return x.device.type == "cpu" and x.dtype != torch.float32
+def groups_queries(shape: LayerShape, x: torch.Tensor) -> bool:
+    """Whether :func:`decoder_layer` runs grouped-query attention as :func:`grouped_sdpa` for
+    activations like ``x``: on CPU below float32. torch's CPU SDPA with ``enable_gqa`` took up to
+    6x longer for 1-token queries in bf16 (8 rows x 300 keys); in float32 its 1-token path is
+    the faster one (loadtest/results/bench_attention.txt). CUDA keeps SDPA's own GQA (not
+    measured there)."""
+    return shape.kv_heads != shape.num_heads and x.device.type == "cpu" and x.dtype != torch.float32
 
 
-def grouped_mask(mask: torch.Tensor, shape: LayerShape, like: torch.Tensor) -> torch.Tensor:
-    """``mask`` ``[batch, 1, q, kv_len]`` repeated for :func:`decoder_layer`'s grouped attention
-    (``[batch, 1, group * q, kv_len]``) where it runs so (activations ``like``), else as given:
-    built once a forward instead of once a layer."""
-    group = shape.num_heads // shape.kv_heads
-    return mask.repeat(1, 1, group, 1) if group > 1 and _grouped(like) else mask
+def grouped_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """``mask`` ``[batch, 1, q, kv_len]`` -> ``[batch, 1, group * q, kv_len]``: the mask of
+    :func:`grouped_sdpa`'s query rows (the eager forward builds it once, not once a layer)."""
+    return mask.repeat(1, 1, group, 1)
+
+
+def grouped_sdpa(
+    qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA's grouped-query attention run as multi-head attention: each KV head's query heads
+    become its rows, ``[batch, kv_heads, group * q, head_dim]``; the same attention, to rounding.
+    qs ``[batch, heads, q, head_dim]``; keys/vals ``[batch, kv_heads, kv_len, head_dim]``; mask
+    ``[batch, 1, q, kv_len]`` or already :func:`grouped_mask`. Returns ``[batch, heads, q,
+    head_dim]``."""
+    B, nh, q, hd = qs.shape
+    kvh = keys.shape[1]
+    if mask.shape[-2] == q:  # not grouped by the caller (the compiled path: q is dynamic there)
+        mask = grouped_mask(mask, nh // kvh)
+    o = F.scaled_dot_product_attention(
+        qs.reshape(B, kvh, nh // kvh * q, hd), keys, vals, attn_mask=mask, scale=scale
+    )
+    return o.view(B, nh, q, hd)
 
 
 def decoder_layer(
@@ -160,19 +179,12 @@ def decoder_layer(
         vals = vc[first_slot : first_slot + B, :, :kv_len]
     else:
         keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-    gqa = kvh != nh
-    if gqa and _grouped(qs):
-        # GQA as MHA: each KV head's query heads become its rows, [batch, kv_heads, group*q, hd],
-        # the mask repeated per group. torch's CPU SDPA with enable_gqa took 2-6x longer for
-        # 1-token queries in bf16 on CPU; in float32 its 1-token path is the faster one
-        # (loadtest/results/bench_attention.txt). The same attention, to rounding.
-        group, gqa = nh // kvh, False
-        qs = qs.reshape(B, kvh, group * q, hd)
-        if mask.shape[-2] != group * q:  # not yet grouped by the caller (grouped_mask)
-            mask = mask.repeat(1, 1, group, 1)
-    o = F.scaled_dot_product_attention(
-        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=gqa
-    ).view(B, nh, q, hd)  # [batch, heads, q, head_dim]
+    if groups_queries(shape, qs):
+        o = grouped_sdpa(qs, keys, vals, mask, hd**-0.5)
+    else:
+        o = F.scaled_dot_product_attention(
+            qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
+        )  # [batch, heads, q, head_dim]
     h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), w.o)
     x = rms_norm(h, w.post_norm, shape.eps)
     g, u = _gate_up(x, w)

@@ -18,7 +18,7 @@ import torch
 from . import invariant
 from .fast_forward import FastForward, disable
 from .kv_cache import SlotKVCache
-from .layer import config_shape, decoder_layer, grouped_mask
+from .layer import config_shape, decoder_layer, grouped_mask, groups_queries
 from .layer_weights import LayerWeights, from_layer
 from .quant import Q4Weight, q4_linear
 
@@ -220,8 +220,10 @@ class ModelRunner:
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
-        if layer_fn is None:  # eager: grouped once, not once a layer (the compiled graph
-            mask = grouped_mask(mask, self.shape, h)  # marks q dynamic on the mask)
+        # the grouped attention's mask, eager: built once, not once a layer (the compiled graph
+        # marks q dynamic on its mask, so the layer groups it there)
+        if layer_fn is None and groups_queries(self.shape, h):
+            mask = grouped_mask(mask, self.shape.num_heads // self.shape.kv_heads)
         layer_fn = layer_fn or decoder_layer
         for i, w in enumerate(self.weights):
             if i in self.taps:

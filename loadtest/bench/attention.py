@@ -1,5 +1,6 @@
 """Grouped-query attention on CPU: torch's SDPA with ``enable_gqa`` against the same attention run
-as multi-head attention over each KV head's query heads as rows (engine/layer.py).
+as multi-head attention over each KV head's query heads as rows (``engine.layer.grouped_sdpa``,
+which the decoder layer runs on CPU below float32).
 
 With ``enable_gqa``, queries ``[B, heads, q, hd]`` attend to keys ``[B, kv_heads, L, hd]``; query
 head ``h`` reads KV head ``h // group``. Grouped: queries reshaped to ``[B, kv_heads, group*q, hd]``
@@ -15,19 +16,18 @@ head_dim 64) unless told otherwise; masks are causal by each query's position.
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
 
 import torch
 import torch.nn.functional as F
 
+from engine.layer import grouped_sdpa
+from engine.timing import time_calls
+
 
 def per_call_us(fn, calls: int) -> float:
-    for _ in range(max(3, calls // 10)):
-        fn()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t) / calls * 1e6
+    """Median microseconds of ``calls`` timed calls (engine/timing.py), after a tenth as many."""
+    return statistics.median(time_calls(fn, "cpu", calls, warmup=max(3, calls // 10))) * 1e6
 
 
 def compare(B: int, q: int, L: int, heads: int, kv_heads: int, hd: int, dtype, calls: int) -> dict:
@@ -38,7 +38,6 @@ def compare(B: int, q: int, L: int, heads: int, kv_heads: int, hd: int, dtype, c
     v = torch.randn(B, kv_heads, L, hd, generator=gen).to(dtype)
     pos = torch.randint(L - q, L, (B, q), generator=gen)  # each query's position
     mask = (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [B, 1, q, L]
-    group = heads // kv_heads
 
     def gqa():
         return F.scaled_dot_product_attention(
@@ -46,9 +45,7 @@ def compare(B: int, q: int, L: int, heads: int, kv_heads: int, hd: int, dtype, c
         )
 
     def grouped():
-        qg, mg = qs.reshape(B, kv_heads, group * q, hd), mask.repeat(1, 1, group, 1)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mg, scale=hd**-0.5)
-        return o.view(B, heads, q, hd)
+        return grouped_sdpa(qs, k, v, mask, hd**-0.5)
 
     return {
         "gqa_us": per_call_us(gqa, calls),

@@ -18,6 +18,7 @@ from engine.drafters import NgramDrafter
 from engine.quant import Q4Weight
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
+from loadtest.datasets import Prompt, encode
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -83,10 +84,7 @@ def test_cpu_eagle_config_builds_and_speculates_exactly():
     e = b.engine
     assert isinstance(e.drafter, EagleDrafter) and e.controller.name == "adaptive"
     assert e.drafter.taps == (2, 15, 27) and e.target.taps == (2, 15, 27)
-    ids = b.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three primary colors."}], add_generation_prompt=True
-    )
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = encode(b.tokenizer, Prompt("colors", "test", "chat", "Name three primary colors."))
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     plain = e.generate([ids], greedy, SpecParams(enabled=False))[0].output_ids
     spec = e.generate([ids], greedy, SpecParams(k=3))[0]
@@ -106,11 +104,10 @@ def test_default_config_is_the_4bit_target_and_speculates_exactly():
     e = b.engine
     assert isinstance(e.drafter, NgramDrafter) and e.controller.name == "adaptive"
     assert any(isinstance(x, Q4Weight) for x in e.target.weights[0])
-    chat = b.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "List the days of the week."}], add_generation_prompt=True
-    )
-    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
-    prompts = [chat, b.tokenizer(COUNT, return_tensors=None)["input_ids"]]
+    prompts = [
+        encode(b.tokenizer, Prompt("days", "test", "chat", "List the days of the week.")),
+        encode(b.tokenizer, Prompt("count", "test", "completion", COUNT)),
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=24)
     plain = [s.output_ids for s in e.generate(prompts, greedy, SpecParams(enabled=False))]
     spec = e.generate(prompts, greedy, SpecParams(k=3))
