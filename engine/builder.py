@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from .engine import SpecEngine
 from .fast_forward import attach
 from .grammar import GrammarCompiler
 from .k_control import AdaptiveK, FixedK, HeuristicK, KController
-from .loader import load_model
+from .loader import default_cache_dir, load_model
 from .model_runner import ModelRunner
 from .quant import use_native_q4
 
@@ -151,6 +152,10 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         log.info("model.native_q4: dense weights in float32 (no fast float32 int4 matmul on CPU)")
     elif m.native_q4:
         use_native_q4(m.source, *engine.runners())
+    if cfg.compile.enabled:  # inductor's kernels kept beside the model cache, not in /tmp: a
+        # restart loads them (the default's warm-up: ~65 s cold on 2 cores, ~11 s from the cache)
+        inductor = (cache_dir or default_cache_dir()) / "inductor"
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     for r in engine.runners():
         if cfg.deterministic != "always" or r is not runner:  # its forwards are all invariant
             attach(r, cfg.compile, d.k_max)

@@ -9,6 +9,10 @@ head_dim]`` per layer), which is what the fast-forward path (torch.compile / CUD
 
 Column ``max_len`` of every slot is a scratch column: padded query positions (rows shorter than
 the longest row of a batch forward) write there, so padding never touches real positions.
+Each layer's K and V are tensors of their own (``k[i]``, ``v[i]``), not views of one
+``[layers, ...]`` tensor: the compiled path (engine/fast_forward.py) writes a group of layers'
+caches in place as inputs of one graph, and views of one shared tensor as such inputs made
+inductor copy a whole layer's cache on every write (measured: 2.4 s a decode step).
 The committed lengths live on the host as Python ints: they are bookkeeping, never a device sync.
 
 Memory: on CPU the cache is allocated zeroed by ``calloc`` (through numpy), whose large blocks are
@@ -60,11 +64,12 @@ class SlotKVCache:
         device: torch.device | str,
     ):
         self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
-        shape = (num_layers, num_slots, kv_heads, max_len + 1, head_dim)
+        shape = (num_slots, kv_heads, max_len + 1, head_dim)
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN (0 * NaN = NaN).
-        self.k = _zeros(shape, dtype, device)  # [layers, slots, kv_heads, max_len+1, head_dim]
-        self.v = _zeros(shape, dtype, device)
+        # per layer: [slots, kv_heads, max_len+1, head_dim]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
 
@@ -74,7 +79,7 @@ class SlotKVCache:
 
     @property
     def bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def num_free(self) -> int:
         return len(self._free)
@@ -118,8 +123,8 @@ class SlotKVCache:
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst`` holds the first ``length`` positions of slot ``src`` (a shared prompt)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]
         self.lengths[dst] = length
 
     def rollback(self, slot: int, length: int) -> None:

@@ -137,6 +137,48 @@ def grouped_sdpa(
     return o.view(B, nh, q, hd)
 
 
+def matmul_attention(
+    qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of one query token (batch 1) as two float32 matmuls around a masked softmax, for
+    a compiled CPU graph: inductor fuses the casts, the mask and the softmax, where torch's
+    flash kernel costs ~70 us a call whatever its size (a compiled decode step 1.2x faster,
+    loadtest/results/bench_steps_q4.txt). Larger shapes keep SDPA, faster there. qs ``[1, heads,
+    1, head_dim]``; keys/vals ``[1, kv_heads, kv_len, head_dim]``; mask ``[1, 1, 1 or group,
+    kv_len]``. Returns ``[1, heads, 1, head_dim]`` in the dtype of ``qs``."""
+    B, nh, q, hd = qs.shape
+    kvh = keys.shape[1]
+    qg = qs.reshape(B, kvh, nh // kvh * q, hd).float()  # a KV head's query heads as its rows
+    s = torch.matmul(qg, keys.float().transpose(-1, -2)) * scale  # [1, kv_heads, group, kv_len]
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(p, vals.float()).to(qs.dtype).view(B, nh, q, hd)
+
+
+def layer_group(
+    h: torch.Tensor,
+    ws: tuple[LayerWeights, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    kcs: tuple[torch.Tensor, ...],
+    vcs: tuple[torch.Tensor, ...],
+    slot_t: torch.Tensor,
+    write_pos: torch.Tensor,
+    first_slot: int | None,
+    shape: LayerShape,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Consecutive decoder layers (weights ``ws``, their caches ``kcs`` / ``vcs``), the unit
+    that the compiled path compiles (engine/fast_forward.py: one graph serves every group of
+    the same structure; a graph per layer pays Dynamo's per-call cost 30 times a step, one of
+    the whole stack compiles 4x longer). Arguments as :func:`decoder_layer`'s. Returns the
+    group's output ``[batch, q, hidden]`` and each layer's input (the EAGLE-3 taps)."""
+    inputs = []
+    for w, kc, vc in zip(ws, kcs, vcs):
+        inputs.append(h)
+        h = decoder_layer(h, w, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot, shape)
+    return h, inputs
+
+
 def decoder_layer(
     h: torch.Tensor,
     w: LayerWeights,
@@ -179,7 +221,9 @@ def decoder_layer(
         vals = vc[first_slot : first_slot + B, :, :kv_len]
     else:
         keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-    if groups_queries(shape, qs):
+    if B * q == 1 and torch.compiler.is_compiling() and qs.device.type == "cpu":
+        o = matmul_attention(qs, keys, vals, mask, hd**-0.5)
+    elif groups_queries(shape, qs):
         o = grouped_sdpa(qs, keys, vals, mask, hd**-0.5)
     else:
         o = F.scaled_dot_product_attention(

@@ -2,11 +2,12 @@
 
 We keep transformers for loading (GGUF conversion, safetensors, dtypes, Hub ids) and reuse its
 embedding, rotary embedding, final norm and lm_head, but run our own decoder layer (a function of
-the layer's weights, :func:`engine.layer.decoder_layer`, so one compiled graph serves every layer)
-so that one forward can serve ragged rows: row b feeds ``n_b`` new tokens starting at position
-``start_b`` (its committed cache length), writes their K/V into its slot in place, and attends by
-position, ``kv_pos <= query_pos``. The same loop with only the first N layers is the
-"early-layers self-draft". Supported: llama, mistral, qwen2, qwen3 (the SmolLM2 default is llama).
+the layer's weights, :func:`engine.layer.decoder_layer`, run in groups of layers so that one
+compiled graph serves every group) so that one forward can serve ragged rows: row b feeds
+``n_b`` new tokens starting at position ``start_b`` (its committed cache length), writes their
+K/V into its slot in place, and attends by position, ``kv_pos <= query_pos``. The same loop
+with only the first N layers is the "early-layers self-draft". Supported: llama, mistral, qwen2,
+qwen3 (the SmolLM2 default is llama).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from . import invariant
 from .fast_forward import FastForward, disable
 from .kv_cache import SlotKVCache
-from .layer import config_shape, decoder_layer, grouped_mask, groups_queries
+from .layer import config_shape, grouped_mask, groups_queries, layer_group
 from .layer_weights import LayerWeights, from_layer
 from .quant import Q4Weight, q4_linear
 
@@ -205,41 +206,45 @@ class ModelRunner:
         slot_t: torch.Tensor,
         kv_idx: torch.Tensor,
         first_slot: int | None,
-        layer_fn: Callable[..., torch.Tensor] | None = None,
+        group_fn: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
+        group_size: int | None = None,
     ) -> torch.Tensor:
         """The decoder stack over the slot cache.
 
         ids, pos, write_pos ``[batch, q]``; slot_t ``[batch]``; kv_idx ``arange(kv_len)``: keys
         are read up to kv_len. ``first_slot``: rows are the consecutive slots from there (keys
-        are read as a view), or None (keys gathered by slot_t). ``layer_fn``: the compiled
-        :func:`decoder_layer` (engine/fast_forward.py), default eager. Returns the final-normed
-        hidden states ``[batch, q, hidden]``; K/V of every query token written in place; the
-        inputs of the layers in ``taps`` kept in ``tapped``."""
+        are read as a view), or None (keys gathered by slot_t). ``group_fn``: the compiled
+        :func:`~engine.layer.layer_group` over groups of ``group_size`` layers
+        (engine/fast_forward.py); default: the whole stack as one eager group. Returns the
+        final-normed hidden states ``[batch, q, hidden]``; K/V of every query token written in
+        place; the inputs of the layers in ``taps`` kept in ``tapped``."""
         cache, tapped = self.cache, []
         h = self.embed(ids)  # [batch, q, hidden]
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
-        # the grouped attention's mask, eager: built once, not once a layer (the compiled graph
-        # marks q dynamic on its mask, so the layer groups it there)
-        if layer_fn is None and groups_queries(self.shape, h):
+        # the grouped attention's mask, eager: built once, not once a layer (a compiled graph
+        # groups it inside, where it is fused)
+        if group_fn is None and groups_queries(self.shape, h):
             mask = grouped_mask(mask, self.shape.num_heads // self.shape.kv_heads)
-        layer_fn = layer_fn or decoder_layer
-        for i, w in enumerate(self.weights):
-            if i in self.taps:
-                tapped.append(h)
-            h = layer_fn(
+        n = len(self.weights)
+        size = group_size or n
+        run = layer_group if group_fn is None else group_fn
+        for g0 in range(0, n, size):
+            g = slice(g0, g0 + size)
+            h, inputs = run(
                 h,
-                w,
+                tuple(self.weights[g]),
                 cos,
                 sin,
                 mask,
-                cache.k[i],
-                cache.v[i],
+                tuple(cache.k[g]),
+                tuple(cache.v[g]),
                 slot_t,
                 write_pos,
                 first_slot,
                 self.shape,
             )
+            tapped += [inputs[i - g0] for i in self.taps if g0 <= i < g0 + size]
         self.tapped = torch.cat(tapped, dim=-1) if tapped else None  # [batch, q, taps * hidden]
         return self.norm(h)

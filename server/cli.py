@@ -14,7 +14,8 @@ DESCRIPTION
     serve          Serve /v1/completions, /v1/chat/completions, /v1/models, /health, /ready and
                    /metrics. MODEL (default: the config's, SmolLM2-135M-Instruct) is a GGUF
                    file, a folder of safetensors, a Hub id or a pkg:PACKAGE/FILE spec.
-    prepare        Convert the model once (GGUF -> a safetensors cache) ahead of serving.
+    prepare        Convert the model once (GGUF -> a safetensors cache) and, where the config
+                   compiles, compile its forward once, ahead of serving.
     generate       Run the engine on chat prompts and print the output with speculation stats.
     train-drafter  Train the EAGLE-3 head (train/pipeline.py).
 
@@ -37,6 +38,7 @@ EXAMPLES
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -133,6 +135,11 @@ def cmd_prepare(args) -> int:
     print(prepare(cfg.model.source, cfg.cache_dir))
     if cfg.drafter.method == "model" and cfg.drafter.source:
         print(prepare(cfg.drafter.source, cfg.cache_dir))
+    if cfg.compile.enabled:  # compile the forward once too: `serve` then loads inductor's cache
+        from engine.builder import build_engine
+
+        build_engine(cfg).engine.warm_up()
+        print(f"compiled the forward into {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}")
     return 0
 
 

@@ -193,7 +193,7 @@ def fresh_cache(drafter: EagleDrafter, target, seq) -> torch.Tensor:
             return seq.token_array()
 
     fresh._ingest([Row()], [len(feats)])  # type: ignore[list-item]
-    return fresh.cache.k[0, 0, :, : len(feats)]
+    return fresh.cache.k[0][0, :, : len(feats)]
 
 
 @pytest.mark.parametrize("case", ["all_accepted", "first_rejected", "mixed"])
@@ -225,7 +225,7 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
                 continue
             real = d.real[s.slot]
             assert real + d.pending_n[s.slot] == s.num_tokens - 1
-            ours = d.cache.k[0, s.slot, :, :real]
+            ours = d.cache.k[0][s.slot, :, :real]
             ref = fresh_cache(d, target, s)[:, :real]
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
             checked += 1

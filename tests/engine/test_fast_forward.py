@@ -90,18 +90,18 @@ def test_padding_rows_never_touch_committed_positions(models):
         cache.allocate(s)
         r.forward([list(range(1, n + 1))], [s])  # prefill (eager: longer than the q bucket)
         cache.commit(s, n)
-    before_k, before_v = cache.k.clone(), cache.v.clone()
+    before_k, before_v = torch.stack(cache.k), torch.stack(cache.v)
     r.forward(torch.tensor([[5, 6, 7]]), [3], counts=[2])  # one row, 2 valid tokens of 3
     assert r.fast.calls == 1
-    changed = (cache.k != before_k).any(-1)  # [layers, slots, kv_heads, positions]
-    changed |= (cache.v != before_v).any(-1)
+    changed = (torch.stack(cache.k) != before_k).any(-1)  # [layers, slots, kv_heads, positions]
+    changed |= (torch.stack(cache.v) != before_v).any(-1)
     where = changed.nonzero()[:, [1, 3]].unique(dim=0).tolist()  # (slot, position) pairs
     scratch = cache.scratch_pos
     assert [3, 7] in where and [3, 8] in where  # the row's own two new positions
     for slot, p in where:
         assert p == scratch or (slot == 3 and p in (7, 8)), (slot, p)
     for s, n in ((0, 10), (6, 12)):  # other rows' committed positions are untouched
-        assert torch.equal(cache.k[:, s, :, :n], before_k[:, s, :, :n])
+        assert torch.equal(torch.stack(cache.k)[:, s, :, :n], before_k[:, s, :, :n])
 
 
 def test_inductor_compiled_engine_is_exact(models):

@@ -51,5 +51,7 @@ def test_rollback_only_backwards_and_commit_bounded():
 
 def test_scratch_column_and_zero_init():
     c = make(1)
-    assert c.k.shape == (2, 1, 1, 9, 4) and c.scratch_pos == 8
-    assert int(c.k.count_nonzero()) == 0 and c.bytes == 2 * 2 * 9 * 4 * 4
+    assert len(c.k) == len(c.v) == 2 and c.scratch_pos == 8
+    assert all(t.shape == (1, 1, 9, 4) for t in c.k + c.v)
+    assert len({t.data_ptr() for t in c.k + c.v}) == 4  # a tensor of its own per layer
+    assert all(int(t.count_nonzero()) == 0 for t in c.k + c.v) and c.bytes == 2 * 2 * 9 * 4 * 4

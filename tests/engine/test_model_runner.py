@@ -82,7 +82,7 @@ def test_rows_in_a_span_of_slots_leave_the_idle_slots_exact(tiny_llama):
 
 def test_first_layers_only(tiny_llama):
     r = ModelRunner(tiny_llama, num_slots=1, max_len=32, num_layers=1)
-    assert len(r.weights) == 1 and r.cache.k.shape[0] == 1
+    assert len(r.weights) == 1 and len(r.cache.k) == 1
     with pytest.raises(ValueError):
         ModelRunner(tiny_llama, 1, 32, num_layers=9)
 

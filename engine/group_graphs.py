@@ -1,0 +1,116 @@
+"""The compiled graphs of the fast path (engine/fast_forward.py), one per *graph key*, picked
+without Dynamo's guards.
+
+A graph runs :func:`engine.layer.layer_group` (a group of consecutive decoder layers) and is
+called with tensors Dynamo never saw at its compile: every group's weights and caches. Dynamo's
+guards would check every one of them on every call (~0.2-0.9 ms a decode step of SmolLM2, a
+tenth of it), so they are dropped (``skip_all_guards_unsafe``) and :class:`GroupGraphs` picks the
+graph itself, by the key of a call:
+
+- the static dimensions: with dynamic shapes whether batch and q are 1 (torch specializes sizes
+  1), else the (batch, q) bucket itself;
+- whether keys are read as a view (``first_slot``);
+- the group's weight structure: per layer and field, None, a dense tensor's shape and dtype, or
+  a 4-bit matrix's (a layer whose 4-bit conversion failed keeps dense weights, so its group needs
+  a graph of its own), and the group's length.
+
+Invariant: two calls with one key differ only in dimensions that the call compiling the key
+marked dynamic (the key length; batch and q above 1 with dynamic shapes), and in tensor values.
+Dtypes and devices are the runner's, fixed. Each key's graph is a ``torch.compile`` of its own
+(``isolate_recompiles``): its entries are never shared with another key's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .layer import layer_group
+
+if TYPE_CHECKING:
+    from .layer import LayerShape
+    from .layer_weights import LayerWeights
+
+
+class GroupGraphs:
+    """Callable as :func:`~engine.layer.layer_group`; compiles a key's graph on its first call."""
+
+    def __init__(self, backend: str, mode: str | None, dynamic: bool, full_kv: bool):
+        self.backend, self.mode, self.dynamic, self.full_kv = backend, mode, dynamic, full_kv
+        self.graphs: dict[tuple, Callable] = {}  # graph key -> its compiled layer_group
+        self._structures: dict[tuple, tuple] = {}  # weight ids -> (the weights, structure)
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        ws: tuple[LayerWeights, ...],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        kcs: tuple[torch.Tensor, ...],
+        vcs: tuple[torch.Tensor, ...],
+        slot_t: torch.Tensor,
+        write_pos: torch.Tensor,
+        first_slot: int | None,
+        shape: LayerShape,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        B, q = h.shape[0], h.shape[1]
+        dims = (B == 1, q == 1) if self.dynamic else (B, q)
+        key = (dims, first_slot is None, self._structure(ws))
+        fn = self.graphs.get(key)
+        if fn is None:
+            fn = self.graphs[key] = self._compile()
+            self._mark(h, cos, sin, mask, slot_t, write_pos)
+        return fn(h, ws, cos, sin, mask, kcs, vcs, slot_t, write_pos, first_slot, shape)
+
+    def _structure(self, ws: tuple[LayerWeights, ...]) -> tuple:
+        """The weight structure of a group (see the module docstring), cached by the identity of
+        its weights (held, so an id is never reused while cached)."""
+        ids = tuple(map(id, ws))
+        hit = self._structures.get(ids)
+        if hit is None:
+
+            def kind(v):
+                if v is None:
+                    return None
+                if isinstance(v, torch.Tensor):
+                    return (tuple(v.shape), v.dtype)
+                return ("q4", v.shape, v.split, tuple(v.packed.shape), v.scale_zero.dtype)
+
+            hit = self._structures[ids] = (ws, tuple(tuple(kind(v) for v in w) for w in ws))
+        return hit[1]
+
+    def _compile(self) -> Callable:
+        """A compiled :func:`layer_group` with entries of its own and no guards."""
+        options: dict = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        if self.backend == "inductor":
+            import torch._inductor as inductor
+
+            if self.mode is not None:
+                options.update(inductor.list_mode_options(self.mode))  # e.g. CUDA graphs
+            # nor the generated wrapper's checks of every input's sizes and strides (~100 a
+            # graph, ~0.5 ms a decode step): the key fixed them
+            options.update(size_asserts=False, alignment_asserts=False)
+        return torch.compile(  # type: ignore[call-overload]  # (stubs lack isolate_recompiles)
+            layer_group,
+            backend=self.backend,
+            options=options,
+            fullgraph=True,
+            isolate_recompiles=True,
+        )
+
+    def _mark(self, h, cos, sin, mask, slot_t, write_pos) -> None:
+        """Mark the dynamic dimensions of the call that compiles a key: the key length (unless
+        graphs read the whole cache: CUDA graphs), and with dynamic shapes batch and q (only
+        sizes above 1: the key holds whether they are 1)."""
+        import torch._dynamo as dynamo
+
+        marks: list[tuple[torch.Tensor, int]] = [] if self.full_kv else [(mask, 3)]
+        if self.dynamic:
+            marks += [(h, 0), (h, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2), (mask, 0)]
+            marks += [(mask, 2), (slot_t, 0), (write_pos, 0), (write_pos, 1)]
+        for t, d in marks:
+            if t.shape[d] > 1:
+                dynamo.mark_dynamic(t, d)

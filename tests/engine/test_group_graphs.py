@@ -1,0 +1,85 @@
+"""Compiled layer groups picked by key without Dynamo's guards (engine/group_graphs.py): one
+graph per key serves every group, shape and key length of its class; a structurally different
+group gets a graph of its own; outputs, cache writes and EAGLE taps equal the eager stack."""
+
+import torch
+import torch.nn.functional as F
+
+from engine.fast_forward import CompileConfig, FastForward
+from engine.layer import matmul_attention
+from engine.model_runner import ModelRunner
+
+
+def runner_pair(tiny_llama, **cfg):
+    """Two runners of one model: eager, and compiled (Dynamo's "eager" backend: the graph logic
+    without inductor's compile time) over groups of ``layers_per_graph`` layers."""
+    eager, fast = (ModelRunner(tiny_llama, num_slots=4, max_len=64) for _ in range(2))
+    fast.fast = FastForward(
+        fast, CompileConfig(enabled=True, backend="eager", batch_buckets=[1, 4], **cfg), k_max=3
+    )
+    return eager, fast
+
+
+def feed(runners, tokens, slots):
+    """The same forward on each runner (committed after); returns each one's logits."""
+    outs = []
+    for r in runners:
+        outs.append(r.forward(tokens, slots, logits="all"))
+        for s, t in zip(slots, tokens):
+            r.cache.commit(s, r.cache.lengths[s] + len(t))
+    return outs
+
+
+def test_one_graph_per_key_serves_every_group_and_length(tiny_llama):
+    eager, fast = runner_pair(tiny_llama, layers_per_graph=1, q_buckets=[1, 4])
+    for r in (eager, fast):
+        r.taps = (0, 2)
+        for _ in range(4):
+            r.cache.allocate()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    feed([eager, fast], [p[:4] for p in prompts], [0, 1, 2, 3])  # q 4: batch 4, q > 1
+    # rows are slots: slot 0 alone runs batch 1, any other slot the batch-4 bucket
+    steps = [([[7]], [0]), ([[8], [9]], [0, 2]), ([[3, 4]], [1]), ([[5, 6]], [0])] * 20
+    for tokens, slots in steps:  # keys: batch 1 or more x q 1 or more; lengths grow to ~64
+        if max(fast.cache.lengths[s] for s in slots) + 2 >= fast.max_len:
+            break
+        e, f = feed([eager, fast], tokens, slots)
+        torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fast.tapped, eager.tapped, atol=1e-4, rtol=1e-4)
+    graphs = fast.fast.graphs.graphs
+    assert len(graphs) == 4  # three layers share each key's graph, whatever the key length
+    assert {k[0] for k in graphs} == {(True, True), (False, True), (True, False), (False, False)}
+    for k_e, k_f in zip(eager.cache.k + eager.cache.v, fast.cache.k + fast.cache.v):
+        for s in range(4):
+            n = eager.cache.lengths[s]
+            torch.testing.assert_close(k_f[s, :, :n], k_e[s, :, :n], atol=1e-4, rtol=1e-4)
+
+
+def test_a_structurally_different_group_gets_its_own_graph(tiny_llama):
+    """A layer whose weights differ in structure (here a Q bias, as a layer whose 4-bit
+    conversion failed keeps dense weights) must not run another group's graph: guards that
+    would have told them apart are dropped, so the key does."""
+    eager, fast = runner_pair(tiny_llama, layers_per_graph=1, q_buckets=[1])
+    bias = torch.randn(eager.weights[1].q.shape[0]) * 0.5  # type: ignore[union-attr]
+    for r in (eager, fast):
+        r.weights[1] = r.weights[1]._replace(q_bias=bias)
+        r.cache.allocate()
+    e, f = feed([eager, fast], [[11]], [0])
+    torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
+    assert len(fast.fast.graphs.graphs) == 2  # layers 0 and 2 share one, layer 1 its own
+    e, f = feed([eager, fast], [[12]], [0])
+    torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
+    assert len(fast.fast.graphs.graphs) == 2
+
+
+def test_matmul_attention_equals_sdpa_with_gqa():
+    g = torch.Generator().manual_seed(1)
+    qs = torch.randn(1, 6, 1, 16, generator=g)  # 6 query heads over 2 KV heads
+    keys, vals = torch.randn(2, 1, 2, 40, 16, generator=g)
+    mask = torch.arange(40)[None, None, None, :] <= 29  # [1, 1, 1, kv_len]: 30 keys valid
+    ref = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(matmul_attention(qs, keys, vals, mask, 16**-0.5), ref)
+    half = matmul_attention(qs.bfloat16(), keys.bfloat16(), vals.bfloat16(), mask, 16**-0.5)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
