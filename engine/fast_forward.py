@@ -97,12 +97,12 @@ class FastForward:
         cache = runner.cache
         self.cuda_graphs = cfg.mode == "reduce-overhead"
         self.dynamic = (not self.cuda_graphs) if cfg.dynamic is None else cfg.dynamic
-        self.batch_buckets = sorted(cfg.batch_buckets or default_buckets(cache.num_slots))
+        buckets = sorted(cfg.batch_buckets or default_buckets(cache.num_slots))
+        if buckets[-1] > cache.num_slots:  # e.g. the default's 16 under --max-running 4
+            buckets = [b for b in buckets if b < cache.num_slots] + [cache.num_slots]
+            log.info("batch buckets cut to the cache's %d slots: %s", cache.num_slots, buckets)
+        self.batch_buckets = buckets
         self.q_buckets = sorted(cfg.q_buckets or default_buckets(2, k_max + 1))
-        if self.batch_buckets[-1] > cache.num_slots:
-            raise ValueError(
-                f"batch bucket {self.batch_buckets[-1]} exceeds the cache's {cache.num_slots} slots"
-            )
         self.full_kv = self.cuda_graphs  # static key length: the whole cache
         import torch._dynamo as dynamo
         import torch._inductor.config as inductor_config

@@ -1,10 +1,12 @@
 """One Llama-family decoder layer as a function of its weights, over the slot KV cache.
 
 :func:`decoder_layer` takes the layer's weights (:class:`~engine.layer_weights.LayerWeights`) and
-its geometry (:class:`LayerShape`) as arguments, so one compiled graph serves every layer; the
-eager path (:class:`~engine.model_runner.ModelRunner`) and the compiled path
-(:mod:`engine.fast_forward`) run this same function. Queries attend by position
-(``kv_pos <= query_pos``, the mask built by the caller), so rows of one batch may be ragged.
+its geometry (:class:`LayerShape`) as arguments, and :func:`layer_group` runs a group of
+consecutive layers the same way, so one compiled graph serves every group; the eager path
+(:class:`~engine.model_runner.ModelRunner`, the whole stack as one group) and the compiled path
+(:mod:`engine.fast_forward`, groups of ``layers_per_graph``) run these same functions. Queries
+attend by position (``kv_pos <= query_pos``, the mask built by the caller), so rows of one batch
+may be ragged.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ SYNOPSIS
     specd serve [MODEL] [--drafter eagle[:PATH]|ngram|model:PATH|none] [--k-max N]
                 [--max-model-len N] [--max-running N] [--dtype D] [--device D]
                 [--host H] [--port P] [--api-key K] [--served-model-name NAME]
-                [--shutdown-timeout SECONDS] [--config FILE]
+                [--shutdown-timeout SECONDS] [--enforce-eager] [--config FILE]
     specd prepare [MODEL] [--config FILE]
     specd generate [--model MODEL] [--config FILE] [--k K] [--max-tokens N] PROMPT...
     specd train-drafter [--config FILE] [--only distill|original|fit]
@@ -90,6 +90,8 @@ def _config(args):
         if value is not None:
             target = cfg.drafter if name == "k_max" else cfg
             setattr(target, field, cast(value))
+    if str(_env_or(args, "enforce_eager")).lower() in ("true", "1", "yes"):
+        cfg.compile.enabled = False  # vLLM's flag: no compiled forward, ready without compiling
     try:
         cfg.__post_init__()  # what the flags and environment set is checked as the file was
     except ValueError as e:
@@ -235,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                 help="batch-invariant forwards: greedy and seeded output the same alone or in "
                 "any batch, speculation on or off, in bf16 too; 'request': for requests that "
                 'send "deterministic": true (env SPECD_DETERMINISTIC; default off)',
+            )
+            p.add_argument(
+                "--enforce-eager",
+                action="store_const",
+                const=True,
+                help="run every forward eagerly, never compiled: ready in seconds, slower per "
+                "token (env SPECD_ENFORCE_EAGER=1)",
             )
         if name == "serve":
             p.add_argument("--host", help="listen address (env SPECD_HOST; default 127.0.0.1)")

@@ -50,8 +50,9 @@ def test_handles_only_shapes_inside_the_buckets(models):
     assert f.bucket_shape(4, 3) == (4, 3) and f.bucket_shape(2, 1) == (2, 1)
     assert not handles([4], 1)  # slot 4 is past the largest batch bucket (rows are slots)
     assert not handles([0], 4)  # q past the largest q bucket: eager
-    with pytest.raises(ValueError):
-        FastForward(e.target, CompileConfig(batch_buckets=[16]), k_max=2)  # 8 slots only
+    # buckets past the cache's 8 slots are cut to it (a config's 16 under --max-running 8)
+    assert FastForward(e.target, CompileConfig(batch_buckets=[4, 16]), 2).batch_buckets == [4, 8]
+    assert FastForward(e.target, CompileConfig(batch_buckets=[2, 8]), 2).batch_buckets == [2, 8]
 
 
 def test_padded_shape_is_the_bucket_the_forward_runs(models):

@@ -66,6 +66,14 @@ def test_help_reads_like_a_man_page(capsys):
     assert "SPECD_MAX_RUNNING" in out
 
 
+def test_enforce_eager_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("SPECD_ENFORCE_EAGER", raising=False)
+    assert cli._config(parse([])).compile.enabled  # the default compiles
+    assert not cli._config(parse(["--enforce-eager"])).compile.enabled
+    monkeypatch.setenv("SPECD_ENFORCE_EAGER", "1")
+    assert not cli._config(parse([])).compile.enabled
+
+
 def test_deterministic_flag_and_environment(monkeypatch):
     monkeypatch.delenv("SPECD_DETERMINISTIC", raising=False)
     assert cli._config(parse([])).deterministic == "off"

@@ -56,6 +56,7 @@ def held(url: str) -> int:
 @contextmanager
 def replica(tmp_path, timeout_s: float):
     args = ["--dtype", "float32", "--shutdown-timeout", str(timeout_s), "--max-running", "4"]
+    args += ["--enforce-eager"]  # draining is the subject, not the compiled forward
     r = Replica(free_port(), args, tmp_path / "specd.log")
     r.start()
     try:
