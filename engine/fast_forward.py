@@ -109,12 +109,10 @@ class FastForward:
 
         if cfg.cpp_threads is not None:
             inductor_config.cpp.threads = cfg.cpp_threads
-        # shapes change only where marked dynamic, with no silent generalization
+        # shapes change only where marked dynamic: a key's compile never generalizes from the
+        # shapes another key's compile of the same function saw. (No recompile limit to raise:
+        # a graph without guards compiles once, engine/group_graphs.py.)
         dynamo.config.automatic_dynamic_shapes = False
-        limit = 4 * len(self.batch_buckets) * len(self.q_buckets) + 8
-        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, limit)
-        if hasattr(dynamo.config, "recompile_limit"):
-            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, limit)
         if self.cuda_graphs:
             for t in cache.k + cache.v:
                 dynamo.mark_static_address(t)

@@ -144,8 +144,9 @@ def matmul_attention(
 ) -> torch.Tensor:
     """Attention of one query token (batch 1) as two float32 matmuls around a masked softmax, for
     a compiled CPU graph: inductor fuses the casts, the mask and the softmax, where torch's
-    flash kernel costs ~70 us a call whatever its size (a compiled decode step 1.2x faster,
-    loadtest/results/bench_steps_q4.txt). Larger shapes keep SDPA, faster there. qs ``[1, heads,
+    flash kernel costs ~70 us a call whatever its size (SmolLM2's compiled 6-layer groups, batch
+    1 decode, 2 Zen 5 cores: the 30 layers in 7.5 ms against 8.9 with SDPA). Larger shapes keep
+    SDPA, faster there (batch 8 with 4 tokens: 63 ms against 89). qs ``[1, heads,
     1, head_dim]``; keys/vals ``[1, kv_heads, kv_len, head_dim]``; mask ``[1, 1, 1 or group,
     kv_len]``. Returns ``[1, heads, 1, head_dim]`` in the dtype of ``qs``."""
     B, nh, q, hd = qs.shape
