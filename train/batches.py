@@ -88,18 +88,24 @@ class Batch:
     predict: torch.Tensor  # [B, S] bool: position q's next token is a learned output token
 
 
+@dataclass
+class Features:
+    """What one target forward gives a batch (train/feature_cache.py stores these)."""
+
+    tokens: torch.Tensor  # [B, S] long, zero-padded
+    feats: torch.Tensor  # [B, S, taps * H] the target's tapped features
+    hidden: torch.Tensor  # [B, S, H] the target's final-normed hidden states
+    predict: torch.Tensor  # [B, S] bool: position q's next token is a learned output token
+
+
 @torch.no_grad()  # not inference_mode: the head's autograd reads these tensors
-def target_batch(
-    runner: ModelRunner, rows: list[Row], draft_ids: torch.Tensor, t2d: torch.Tensor
-) -> Batch:
-    """One forward of the target over ``rows`` (slots 0..B-1, nothing committed)."""
+def target_features(runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> Features:
+    """One forward of the target over ``rows`` (slots 0..B-1, nothing committed). ``predict``
+    keeps the answer positions whose target top token is in the draft vocabulary (``t2d``)."""
     B, S = len(rows), max(len(r.ids) for r in rows)
-    dev = runner.device
     h = runner.forward([r.ids for r in rows], list(range(B)), logits="hidden")  # [B, S, H]
     assert runner.tapped is not None
     feats = runner.tapped.clone()
-    w = runner.lm_head.weight[draft_ids.to(dev)]  # [draft_vocab, H]
-    target_logits = h @ w.T  # [B, S, draft_vocab]
     tokens = torch.zeros(B, S, dtype=torch.long)
     predict = torch.zeros(B, S, dtype=torch.bool)
     for b, r in enumerate(rows):
@@ -108,4 +114,20 @@ def target_batch(
     flat = h.reshape(B * S, -1)
     top = torch.cat([runner.logits(c).argmax(-1) for c in flat.split(1024)])  # the target's top
     predict &= t2d[top.view(B, S).cpu()]
-    return Batch(tokens, feats, target_logits, predict)
+    return Features(tokens, feats, h, predict)
+
+
+@torch.no_grad()
+def to_batch(runner: ModelRunner, f: Features, draft_ids: torch.Tensor) -> Batch:
+    """The training batch: the target's logits over the draft vocabulary from its hidden
+    states (the LM head's rows of ``draft_ids``)."""
+    w = runner.lm_head.weight[draft_ids.to(runner.device)]  # [draft_vocab, H]
+    target_logits = f.hidden.to(w.dtype) @ w.T  # [B, S, draft_vocab]
+    return Batch(f.tokens, f.feats, target_logits, f.predict)
+
+
+def target_batch(
+    runner: ModelRunner, rows: list[Row], draft_ids: torch.Tensor, t2d: torch.Tensor
+) -> Batch:
+    """One forward of the target over ``rows``: the training batch, uncached."""
+    return to_batch(runner, target_features(runner, rows, t2d), draft_ids)

@@ -9,7 +9,8 @@ category, HumanEval, the ShareGPT ``e`` bucket):
     first i drafts were all accepted;
 
 and the cost of one draft step (the head's chained step, batch 1) as a fraction of a target
-decode step (batch 1), both timed by engine/timing.py after warm-up.
+decode step (batch 1), both timed by engine/timing.py after warm-up (the target eager, or as
+the config compiles it with ``--compiled``).
 
     python -m loadtest.bench.eagle --head models/smollm2-135m-eagle3 --ks 1,2,3,4,5,6,7
 """
@@ -95,13 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default=None, help="override the config's (acceptance barely moves)")
     ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="keep the config's compile section: the draft step is priced against the compiled "
+        "target step, as served (default: eager, no compile wait)",
+    )
     ap.add_argument("--json", default="loadtest/results/bench_eagle.json")
     args = ap.parse_args(argv)
     import yaml
 
     raw = yaml.safe_load(Path(args.config).read_text())["engine"]
     raw["drafter"] = {"method": "eagle3", "source": args.head, "controller": "fixed", "k_max": 7}
-    raw["compile"] = {"enabled": False}
+    if not args.compiled:
+        raw["compile"] = {"enabled": False}
     raw["max_running"] = args.slots
     if args.dtype:
         raw["model"] = raw["model"] | {"dtype": args.dtype, "native_q4": False}

@@ -1,0 +1,47 @@
+"""The feature cache (train/feature_cache.py) gives back exactly the batch the target computes."""
+
+import torch
+
+from engine.model_runner import ModelRunner
+from tests import helpers
+from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, random_head
+from train.batches import Row, target_batch
+from train.feature_cache import FeatureCache, rows_key
+
+
+def _setup():
+    target = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN)
+    head = random_head(4)
+    runner = ModelRunner(target, num_slots=2, max_len=64)
+    runner.taps = head.config.aux_layers
+    rows = [Row([1, 5, 7, 2, 9, 11, 3, 3, 8], 3), Row([4, 6, 10, 12, 1, 2], 2)]
+    return runner, head, rows
+
+
+def test_cached_batch_equals_the_computed_one(tmp_path):
+    runner, head, rows = _setup()
+    ids, t2d = head.draft_to_target, head.t2d
+    want = target_batch(runner, rows, ids, t2d)
+    cache = FeatureCache(tmp_path, "tiny")
+    first = cache.batch(runner, rows, ids, t2d)
+    again = FeatureCache(tmp_path, "tiny").batch(runner, rows, ids, t2d)  # a new run reads it
+    assert (cache.misses, cache.hits) == (1, 0)
+    assert len(list((tmp_path / "tiny").glob("*.pt"))) == 1
+    for got in (first, again):
+        for name in ("tokens", "feats", "target_logits", "predict"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert want.predict.any() and not want.predict.all()  # prompts and padding are masked
+
+
+def test_no_folder_computes_every_time():
+    runner, head, rows = _setup()
+    cache = FeatureCache(None, "tiny")
+    cache.batch(runner, rows, head.draft_to_target, head.t2d)
+    cache.batch(runner, rows, head.draft_to_target, head.t2d)
+    assert (cache.misses, cache.hits) == (2, 0)
+
+
+def test_key_follows_the_rows():
+    a, b = Row([1, 2, 3], 1), Row([1, 2, 3], 2)
+    assert rows_key([a]) == rows_key([Row([1, 2, 3], 1)])
+    assert len({rows_key([a]), rows_key([b]), rows_key([a, b]), rows_key([b, a])}) == 4
