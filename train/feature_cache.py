@@ -47,18 +47,16 @@ class FeatureCache:
         self.hits = self.misses = 0
 
     def features(self, runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> Features:
-        if self.dir is None:
-            self.misses += 1
-            return target_features(runner, rows, t2d)
-        path = self.dir / f"{rows_key(rows)}.pt"
-        if path.exists():  # written whole (below): a kill leaves at most a .tmp file
+        path = self.dir / f"{rows_key(rows)}.pt" if self.dir is not None else None
+        if path is not None and path.exists():  # written whole (below): a kill leaves a .tmp
             self.hits += 1
             return Features(**torch.load(path, weights_only=True))
         f = target_features(runner, rows, t2d)
         self.misses += 1
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(vars(f), tmp)
-        tmp.replace(path)  # whole files only, so a reader never sees half of one
+        if path is not None:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(vars(f), tmp)
+            tmp.replace(path)  # whole files only, so a reader never sees half of one
         return f
 
     def batch(

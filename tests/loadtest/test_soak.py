@@ -4,19 +4,16 @@ exactly its reference (every abandoned one a prefix of it), KV cache back to zer
 warm-up under 5%. The full run: python -m loadtest.soak --duration 3600."""
 
 import pytest
-import yaml
 
 from loadtest.soak import DEFAULT_CONFIG, soak, specd_child
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
-def test_soak_small(tmp_path):
-    data = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    data["engine"]["compile"]["enabled"] = False  # eager: the subject is the server (CI time)
-    config = tmp_path / "default-eager.yaml"
-    config.write_text(yaml.safe_dump(data))
-    with specd_child(config, clients=16) as (url, pid):
+def test_soak_small(monkeypatch):
+    # eager (the child inherits the environment): the subject is the server, and CI time
+    monkeypatch.setenv("SPECD_ENFORCE_EAGER", "1")
+    with specd_child(DEFAULT_CONFIG, clients=16) as (url, pid):
         result = soak(
             url,
             clients=16,
