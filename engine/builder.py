@@ -127,7 +127,11 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
         drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     elif d.method == "eagle3":
-        drafter = eagle_drafter(d.source, model, runner)
+        drafter = eagle = eagle_drafter(d.source, model, runner)
+        if d.head_q4:
+            eagle.use_q4()
+        if cfg.compile.enabled:  # the head's step compiled too (engine/drafters/eagle_step.py)
+            eagle.compile(cfg.compile.backend)
         if d.ngram_fallback:
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
     else:

@@ -1,9 +1,9 @@
 """Start-up calibration of the round-cost model: timed forwards on free KV slots.
 
-Contract: :func:`calibrate` uses only the ``free_slots`` it is given (at most four), allocates
-them in the target's (and the draft model's) cache, and frees them again whatever happens, so
-every slot that was free before is free after. Every timed forward goes through
-``engine.timing.time_call``, which synchronises the device around it.
+Contract: :func:`calibrate` uses only the ``free_slots`` it is given (the lowest four at
+most), allocates them in the target's (and the draft model's) cache, and frees them again
+whatever happens, so every slot that was free before is free after. Every timed forward goes
+through ``engine.timing.time_call``, which synchronises the device around it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def calibrate(
     """Time the target's forward at a few (B, w) (B = 1 and up to 4 free slots; w + 1 query
     tokens after a ``prefix``-token context) and the draft model's one-token step, and add them
     to ``cost`` as fixed pseudo-observations (best of ``repeats`` after one warm-up forward)."""
-    slots = list(free_slots)[:4]
+    # the lowest slots: the compiled path runs a forward over the row bucket of slots
+    # [0, max slot] (engine/fast_forward.py), so slot 15 alone is priced as 16 rows
+    slots = sorted(free_slots)[:4]
     runners = [target] + ([draft] if draft is not None else [])
     room = min(r.max_len for r in runners)
     widths = [w for w in widths if w + 2 <= room]

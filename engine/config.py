@@ -51,6 +51,8 @@ class DrafterConfig:
     # eagle3 only: rows whose last ``ngram_fallback`` (.. ngram_max) tokens occurred before copy
     # what followed them instead of asking the head (drafters/hybrid.py); 0 = the head only
     ngram_fallback: int = 0
+    # eagle3 only: the head's matrices 4-bit at load (drafters/eagle_q4.py; CPU below float32)
+    head_q4: bool = False
     # how K is chosen each round (engine/k_control.py): adaptive (goodput rule) | heuristic
     # (transformers' +2/-1 schedule, starting at k) | fixed (always k)
     controller: str = "adaptive"

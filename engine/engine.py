@@ -231,11 +231,14 @@ class SpecEngine:
 
     def warm_up(self) -> None:
         """Compile and run every shape of the fast forward path (engine/fast_forward.py) of the
-        target and the draft model, if they have one. The worker calls it before it is ready."""
+        target and the draft model, if they have one, and the drafter's own compiled graphs
+        (the EAGLE-3 head's). The worker calls it before it is ready."""
         from .fast_forward import warm_up
 
         for runner in self.runners():
             warm_up(runner)
+        if self.drafter is not None:
+            self.drafter.warm_up()
 
     # -- what the worker reads (engine/worker.py's Engine protocol) ---------------------------
     @property

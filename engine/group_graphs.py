@@ -84,22 +84,7 @@ class GroupGraphs:
 
     def _compile(self) -> Callable:
         """A compiled :func:`layer_group` with entries of its own and no guards."""
-        options: dict = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-        if self.backend == "inductor":
-            import torch._inductor as inductor
-
-            if self.mode is not None:
-                options.update(inductor.list_mode_options(self.mode))  # e.g. CUDA graphs
-            # nor the generated wrapper's checks of every input's sizes and strides (~100 a
-            # graph, ~0.5 ms a decode step): the key fixed them
-            options.update(size_asserts=False, alignment_asserts=False)
-        return torch.compile(  # type: ignore[call-overload]  # (stubs lack isolate_recompiles)
-            layer_group,
-            backend=self.backend,
-            options=options,
-            fullgraph=True,
-            isolate_recompiles=True,
-        )
+        return compile_guardless(layer_group, self.backend, self.mode)
 
     def _mark(self, h, cos, sin, mask, slot_t, write_pos) -> None:
         """Mark the dynamic dimensions of the call that compiles a key: the key length (unless
@@ -114,3 +99,21 @@ class GroupGraphs:
         for t, d in marks:
             if t.shape[d] > 1:
                 dynamo.mark_dynamic(t, d)
+
+
+def compile_guardless(fn: Callable, backend: str, mode: str | None = None) -> Callable:
+    """``torch.compile`` of ``fn`` without Dynamo's guards, with entries of its own: the caller
+    picks the graph by a key of its own and promises that calls with one key differ only in
+    the dimensions it marked dynamic and in tensor values."""
+    options: dict = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    if backend == "inductor":
+        import torch._inductor as inductor
+
+        if mode is not None:
+            options.update(inductor.list_mode_options(mode))  # e.g. CUDA graphs
+        # nor the generated wrapper's checks of every input's sizes and strides (~100 a graph,
+        # ~0.5 ms a decode step): the key fixed them
+        options.update(size_asserts=False, alignment_asserts=False)
+    return torch.compile(  # type: ignore[call-overload]  # (stubs lack isolate_recompiles)
+        fn, backend=backend, options=options, fullgraph=True, isolate_recompiles=True
+    )

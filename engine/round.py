@@ -157,7 +157,12 @@ class Speculator:
         return max(0, min(k_max, s.remaining - 1, self.target.max_len - s.num_tokens))
 
     def _plan(self, seqs: list[Sequence], ks: list[int]) -> RoundPlan:
-        sample_drafts = any(ks) and self.drafter is not None and self.drafter.inner.samples
+        sample_drafts = (  # a sampling drafter draws noise for the rows that sample
+            any(ks)
+            and self.drafter is not None
+            and self.drafter.inner.samples
+            and any(not s.params.greedy for s in seqs)
+        )
         return make_plan(seqs, ks, self.vocab_size, self.device, self.rng, sample_drafts)
 
     @staticmethod

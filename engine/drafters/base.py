@@ -79,6 +79,10 @@ class Drafter(Protocol):
         """The sequence left the engine: free its state."""
         ...
 
+    def warm_up(self) -> None:
+        """Compile whatever the drafter compiles (before serving); a failure leaves it eager."""
+        ...
+
     def fork(self, src: Sequence, dst: Sequence) -> None:
         """``dst`` (not yet added) takes a copy of ``src``'s prefill (the same prompt) instead of
         a prefill of its own: whatever ``observe`` kept of ``src``'s prompt."""
@@ -111,4 +115,7 @@ class DrafterBase:
         return None
 
     def fork(self, src: Sequence, dst: Sequence) -> None:
+        return None
+
+    def warm_up(self) -> None:
         return None

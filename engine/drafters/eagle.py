@@ -15,24 +15,34 @@ Bookkeeping (N = the sequence's token count; the target has computed features fo
     forward; its last output gives d_1), then drafts d_2..d_K by feeding its own output and
     the previous draft at the next position. d_K is never fed.
   * ``commit`` rolls the cache back to ``real`` and keeps only the pending features of
-    positions < N - 1 (the accepted ones: a verify's rejected positions are dropped).
+    positions < N - 1 (the accepted ones: a verify's rejected positions are dropped); a row
+    holding ``CATCH_UP`` or more pending positions (rounds at K = 0) takes them in there.
 Invariant after ``commit``: ``real + len(pending) == N - 1``, so the next verify (which starts
 at position N - 1) continues ``pending`` without a gap; ``observe`` checks it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 import torch
 
 from ..eagle_head import Eagle3Head
 from ..grammar import DraftGrammar
 from ..kv_cache import SlotKVCache
-from ..layer import LayerShape, decoder_layer, rms_norm
+from ..layer import LayerShape
 from ..layer_weights import from_layer
 from ..plan import RoundPlan, to_device
 from ..sampling import logits_to_probs
 from ..sequence import Sequence
 from .base import DrafterBase, Proposal
+from .eagle_step import HeadGraphs, HeadWeights, head_forward
+
+log = logging.getLogger("specd.eagle")
+KV_ALIGN = 16  # keys read per call rounded up to this (masked past each row's position)
+CATCH_UP = 8  # pending positions a row may gather (at K = 0) before commit takes them in
 
 
 class EagleDrafter(DrafterBase):
@@ -53,11 +63,19 @@ class EagleDrafter(DrafterBase):
         self.cache = SlotKVCache(
             1, num_slots, c.num_key_value_heads, c.dim, max_len, p.dtype, p.device
         )
-        self.weights = from_layer(head.midlayer)
         self.shape = LayerShape(
             c.num_attention_heads, c.num_key_value_heads, c.dim, c.rms_norm_eps, c.hidden_act
         )
-        self.rotary = LlamaRotaryEmbedding(config=c.llama_config()).to(p.device)
+        rotary = LlamaRotaryEmbedding(config=c.llama_config()).to(p.device)
+        self.kv_idx = torch.arange(max_len + 1, device=p.device)  # [max_len + 1] key positions
+        cos, sin = rotary(torch.zeros(1, dtype=p.dtype, device=p.device), self.kv_idx[None])
+        embed_w = self.embed.weight
+        assert isinstance(embed_w, torch.Tensor)
+        self.weights = HeadWeights(
+            embed_w, head.fc.weight, head.midlayer.hidden_norm.weight,
+            from_layer(head.midlayer), head.norm.weight, head.lm_head.weight, cos[0], sin[0],
+        )  # fmt: skip
+        self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = head_forward  # or graphs
         self.draft_ids = head.draft_to_target  # [draft_vocab] target id of each draft id
         self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> [n, taps * hidden] pieces
         self.pending_n: dict[int, int] = {}
@@ -109,25 +127,84 @@ class EagleDrafter(DrafterBase):
             if keep < self.pending_n[slot]:
                 self.pending[slot] = [torch.cat(self.pending[slot])[:keep]]
                 self.pending_n[slot] = keep
+        # rows at K = 0 for a while take their pending positions in now, once one holds
+        # CATCH_UP: a probe round after many plain ones would otherwise ingest them all in its
+        # draft phase and teach the K controller that a draft step costs several. Every row
+        # with two or more goes along (one batched forward, and the rows stay in step). The
+        # last one stays pending: propose's ingest of it drafts d_1.
+        if any(self.pending_n[s.slot] >= CATCH_UP for s in seqs):
+            rows = [s for s in seqs if self.pending_n[s.slot] >= 2]
+            self._ingest(rows, [self.pending_n[s.slot] - 1 for s in rows])
+
+    def use_q4(self) -> bool:
+        """Run the head's matrices 4-bit (engine/drafters/eagle_q4.py); False where the int4
+        kernel does not apply (CUDA, float32, widths not a multiple of 32): kept dense."""
+        from .eagle_q4 import quantized, supported
+
+        if not supported(self.weights, self.device, self.dtype):
+            log.warning("drafter.head_q4: needs a CPU head below float32; kept dense")
+            return False
+        self.weights = quantized(self.weights, self.dtype)
+        return True
+
+    # -- compiled path ------------------------------------------------------------------------
+    def compile(self, backend: str = "inductor") -> None:
+        """Run the head through compiled graphs without guards (engine/drafters/eagle_step.py);
+        :meth:`warm_up` compiles them. A graph's failure drops back to the eager head."""
+        self.forward = HeadGraphs(backend)
+
+    def warm_up(self) -> None:
+        """Compile every graph key (rows and q each 1 or more; ingest or chain) on the scratch
+        column: nothing committed is read or changed."""
+        if not isinstance(self.forward, HeadGraphs):
+            return
+        t0 = time.perf_counter()
+        taps = self.head.fc.in_features
+        with torch.inference_mode():
+            for rows in (1, 2):
+                for q, ingest in ((1, True), (3, True), (1, False)):
+                    width = taps if ingest else self.head.config.hidden_size
+                    x = torch.zeros(rows, q, width, dtype=self.dtype, device=self.device)
+                    ids = torch.zeros(rows, q, dtype=torch.long, device=self.device)
+                    scratch = torch.full((rows, q), self.cache.scratch_pos, device=self.device)
+                    self._run(ids, x, [q - 1] * rows, list(range(rows)), torch.zeros_like(ids),
+                              scratch, 1, ingest)  # fmt: skip
+        log.info("compiled the EAGLE-3 head in %.1f s", time.perf_counter() - t0)
+
+    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, ingest):
+        """:func:`head_forward` (compiled or eager) on the head's weights and cache; ``last``,
+        ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1)."""
+        dev, c = self.device, self.cache
+        kv_len = min(-(-max(kv_len, 2) // KV_ALIGN) * KV_ALIGN, c.max_len + 1)
+        args = (ids, x, to_device(last, torch.long, dev), self.weights, pos, write_pos)
+        rest = (self.kv_idx[:kv_len], c.k[0], c.v[0], to_device(slots, torch.long, dev))
+        try:
+            return self.forward(*args, *rest, self.shape, ingest)
+        except Exception as e:  # a compile failure must not stop drafting
+            if self.forward is head_forward:
+                raise
+            log.warning("compiled EAGLE-3 head failed (%s: %s); eager from now on",
+                        type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            self.forward = head_forward
+            return head_forward(*args, *rest, self.shape, ingest)
 
     # -- drafting -----------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
-        ks, noise, dev = plan.ks, plan.draft_noise, self.device
+        ks, dev = plan.ks, self.device
         kmax = max(ks)
         tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
-        probs = torch.zeros(len(seqs), kmax, self.vocab_size, device=dev)  # [batch, K, vocab]
         rows = [b for b, k in enumerate(ks) if k > 0]
+        # q matters only to sampled rows: an all-greedy batch reports none (one-hot)
+        sampled = any(not plan.params[b].greedy for b in rows)
+        probs = torch.zeros(len(seqs), kmax, self.vocab_size, device=dev) if sampled else None
         if not rows:
             return Proposal(tokens, list(ks), probs)
         idx = to_device(rows, torch.long, dev)
-        temp, top_k, top_p, greedy = (
-            plan.temperature[idx],
-            plan.top_k[idx],
-            plan.top_p[idx],
-            plan.greedy[idx],
-        )
+        row_p = (plan.temperature[idx], plan.top_k[idx], plan.top_p[idx], plan.greedy[idx])
         # take in every pending position; the last one's output drafts d_1
-        out = self._ingest([seqs[b] for b in rows], [self.pending_n[seqs[b].slot] for b in rows])
+        out, logits = self._ingest(
+            [seqs[b] for b in rows], [self.pending_n[seqs[b].slot] for b in rows]
+        )
         tok = tokens[:0, 0]
         guide = DraftGrammar(seqs)
         for j in range(kmax):
@@ -135,36 +212,56 @@ class EagleDrafter(DrafterBase):
             if len(active) < len(rows):  # rows whose K is reached leave the draft batch
                 rows = [rows[i] for i in active]
                 a = to_device(active, torch.long, dev)
-                temp, top_k, top_p, greedy = temp[a], top_k[a], top_p[a], greedy[a]
+                row_p = (row_p[0][a], row_p[1][a], row_p[2][a], row_p[3][a])
                 out, tok = out[a], tok[a]
-            slots = [seqs[b].slot for b in rows]
             if j > 0:  # feed (own output, previous draft) at the next position
+                slots = [seqs[b].slot for b in rows]
                 starts = [self.cache.lengths[s] for s in slots]
-                out = self._layer(tok[:, None], out[:, None], slots, starts, [1] * len(rows))
-                out = out[:, 0]  # [rows, hidden]
+                out, logits = self._chain(tok, out, slots, starts)
                 for s, st in zip(slots, starts):
                     self.cache.commit(s, st + 1)
-            logits = guide.mask(self._logits(out), rows)  # grammar rows: what it allows next
-            q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)
-            q = q[:, 0]  # [rows, vocab], zero outside the draft vocabulary
             row_t = to_device(rows, torch.long, dev)
-            if noise is not None:
-                sampled = (q / noise[row_t, j]).argmax(-1)
-                tok = torch.where(greedy, q.argmax(-1), sampled)
-            else:
-                tok = q.argmax(-1)
+            tok, q = self._choose(logits, rows, row_t, j, row_p, plan, guide, sampled)
             tokens[row_t, j] = tok
-            probs[row_t, j] = q
+            if probs is not None:
+                probs[row_t, j] = q
             if guide:
                 guide.took(tok.tolist(), rows)
         guide.close()
         return Proposal(tokens, list(ks), probs)
 
+    def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled):
+        """Draft position j of ``rows`` from the head's logits over the draft vocabulary
+        ``[rows, draft_vocab]``: the target ids drafted ``[rows]`` and q over the target
+        vocabulary ``[rows, vocab]`` (zero outside the draft vocabulary; None unless
+        ``sampled``). Grammar rows and top-k / top-p run over the whole vocabulary; otherwise q
+        is the softmax over the draft vocabulary (the same q)."""
+        temp, top_k, top_p, greedy = row_p
+        noise, ids = plan.draft_noise, self.draft_ids
+        if guide or plan.filter_rows:
+            full = draft_logits.new_full((len(rows), self.vocab_size), float("-inf"))
+            full[:, ids] = draft_logits
+            logits = guide.mask(full, rows)  # grammar rows: what it allows next
+            q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)[:, 0]
+            if noise is None:
+                return q.argmax(-1), q
+            return torch.where(greedy, q.argmax(-1), (q / noise[row_t, j]).argmax(-1)), q
+        if not sampled:
+            return ids[draft_logits.argmax(-1)], None
+        qd = torch.softmax(draft_logits / temp[:, None], dim=-1)  # [rows, draft_vocab]
+        pick = qd.argmax(-1)
+        if noise is not None:  # the exponential race over the draft vocabulary
+            pick = torch.where(greedy, pick, (qd / noise[row_t, j][:, ids]).argmax(-1))
+        q = qd.new_zeros(len(rows), self.vocab_size)
+        q[:, ids] = qd
+        return ids[pick], q
+
     # -- the head -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def _ingest(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+    def _ingest(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Take in the first ``counts[b]`` pending positions p of row b, each paired with token
-        t_{p+1}; returns the head's output at each row's last one ``[rows, hidden]``."""
+        t_{p+1}; returns the head's output ``[rows, hidden]`` and draft logits
+        ``[rows, draft_vocab]`` at each row's last one."""
         slots = [s.slot for s in seqs]
         starts = [self.cache.lengths[s] for s in slots]
         q = max(counts)
@@ -179,48 +276,24 @@ class EagleDrafter(DrafterBase):
             nxt = s.token_array()[st + 1 : st + 1 + n].tolist()
             ids.append(nxt + [0] * (q - n))
         ids_t = torch.tensor(ids, device=self.device)  # [rows, q]
-        out = self._layer(ids_t, self.head.fc(feats), slots, starts, counts)  # [rows, q, hidden]
+        pos, write_pos = self.cache.positions(starts, counts, q)  # [rows, q]
+        kv_len = max(st + n for st, n in zip(starts, counts))
+        last = [n - 1 for n in counts]
+        out = self._run(
+            ids_t, feats, last, slots, pos.to(self.device), write_pos.to(self.device), kv_len, True
+        )
         for slot, st, n in zip(slots, starts, counts):
             self.cache.commit(slot, st + n)
             self.real[slot] = st + n
-        last = torch.tensor([n - 1 for n in counts], device=self.device)
-        return out[torch.arange(len(seqs), device=self.device), last]
+        return out
 
     @torch.inference_mode()
-    def _layer(
-        self,
-        ids: torch.Tensor,
-        g: torch.Tensor,
-        slots: list[int],
-        starts: list[int],
-        counts: list[int],
-    ) -> torch.Tensor:
-        """The head's layer over tokens ``ids`` ``[rows, q]`` and fused features ``g``
-        ``[rows, q, hidden]`` at positions ``starts[b]..``; returns its output before the final
-        norm ``[rows, q, hidden]``; K/V written to the head's cache."""
-        w, eps, dev = self.weights, self.shape.eps, self.device
-        hidden_norm = self.head.midlayer.hidden_norm.weight
-        x = torch.cat(
-            [rms_norm(self.embed(ids), w.input_norm, eps), rms_norm(g, hidden_norm, eps)], dim=-1
-        )  # [rows, q, 2 hidden]
-        pos, write_pos = self.cache.positions(starts, counts, ids.shape[1])  # [rows, q]
-        pos, write_pos = pos.to(dev), write_pos.to(dev)
-        cos, sin = self.rotary(g, pos)
-        kv_len = max(st + n for st, n in zip(starts, counts))
-        kv_idx = torch.arange(kv_len, device=dev)
-        mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, q, kv_len]
-        slot_t = torch.tensor(slots, device=dev)
-        c = self.cache
-        return decoder_layer(
-            g, w, cos.unsqueeze(1), sin.unsqueeze(1), mask, c.k[0], c.v[0], slot_t, write_pos,
-            None, self.shape, x,
-        )  # fmt: skip
-
-    def _logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the target vocabulary ``[rows, vocab]`` (-inf outside the draft
-        vocabulary) of head outputs ``[rows, hidden]``."""
-        c = self.head.config
-        draft = self.head.lm_head(rms_norm(out, self.head.norm.weight, c.rms_norm_eps)).float()
-        full = draft.new_full((out.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.draft_ids] = draft
-        return full
+    def _chain(
+        self, tok: torch.Tensor, out: torch.Tensor, slots: list[int], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft step: tokens ``tok`` ``[rows]`` with the head's previous outputs
+        ``out`` ``[rows, hidden]`` at positions ``starts``; K/V written there (uncommitted).
+        Returns the new outputs ``[rows, hidden]`` and draft logits ``[rows, draft_vocab]``."""
+        pos = to_device(starts, torch.long, self.device)[:, None]  # [rows, 1]
+        last = [0] * len(slots)
+        return self._run(tok[:, None], out[:, None], last, slots, pos, pos, max(starts) + 1, False)

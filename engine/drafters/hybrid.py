@@ -53,6 +53,9 @@ class HybridDrafter(DrafterBase):
     def remove(self, seq: Sequence) -> None:
         self.eagle.remove(seq)
 
+    def warm_up(self) -> None:
+        self.eagle.warm_up()
+
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks = list(plan.ks)
         copies = [
@@ -65,7 +68,6 @@ class HybridDrafter(DrafterBase):
         self.copied += len(self.last_copied)
         self.headed += sum(1 for k in head_ks if k > 0)
         prop = self.eagle.propose(seqs, replace(plan, ks=head_ks))
-        assert prop.probs is not None
         # a copied row was asked for nothing: its copy goes in as a one-hot run, like a forced one
         tokens, num, probs = with_forced(prop.tokens, prop.num, prop.probs, copies)
         return Proposal(tokens, num, probs)

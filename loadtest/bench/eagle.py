@@ -69,16 +69,15 @@ def draft_step_fraction(engine) -> dict:
     target.cache.commit(slot, 200)
     d.cache.allocate(slot)
     d.cache.commit(slot, 200)
-    tok = torch.tensor([[42]], device=target.device)
-    out = torch.zeros(1, 1, d.head.config.hidden_size, dtype=d.dtype, device=d.device)
+    tok = torch.tensor([42], device=target.device)
+    out = torch.zeros(1, d.head.config.hidden_size, dtype=d.dtype, device=d.device)
 
     def draft_step():
-        o = d._layer(tok, out, [slot], [200], [1])[:, 0]
-        return d._logits(o).argmax(-1)
+        return d._chain(tok, out, [slot], [200])[1].argmax(-1)
 
     t_draft = time_call(draft_step, target.device, repeats=20, warmup=3)
     t_target = time_call(
-        lambda: target.forward(tok, [slot], [1]), target.device, repeats=20, warmup=3
+        lambda: target.forward(tok[:, None], [slot], [1]), target.device, repeats=20, warmup=3
     )
     d.cache.free(slot)
     target.cache.free(slot)
@@ -102,12 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the config's compile section: the draft step is priced against the compiled "
         "target step, as served (default: eager, no compile wait)",
     )
+    ap.add_argument(
+        "--head-q4",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the head's matrices 4-bit (default: the config's drafter.head_q4)",
+    )
     ap.add_argument("--json", default="loadtest/results/bench_eagle.json")
     args = ap.parse_args(argv)
     import yaml
 
     raw = yaml.safe_load(Path(args.config).read_text())["engine"]
+    q4 = raw.get("drafter", {}).get("head_q4", False) if args.head_q4 is None else args.head_q4
     raw["drafter"] = {"method": "eagle3", "source": args.head, "controller": "fixed", "k_max": 7}
+    raw["drafter"]["head_q4"] = q4
     if not args.compiled:
         raw["compile"] = {"enabled": False}
     raw["max_running"] = args.slots
@@ -115,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         raw["model"] = raw["model"] | {"dtype": args.dtype, "native_q4": False}
     built = build_engine(EngineConfig.from_dict(raw))
     engine, tok = built.engine, built.tokenizer
+    if args.compiled:
+        engine.warm_up()  # the target's buckets and the head's graphs, as the server does
     room = engine.target.max_len - args.max_tokens - 1  # prompts that fit with their answer
     pairs = [
         (p, encode(tok, p))

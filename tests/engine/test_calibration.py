@@ -116,3 +116,23 @@ def test_adaptive_calibrates_once_it_has_a_free_slot(runners):
     assert ctrl.cost.rest.b_fixed[0] > 0 and ctrl.cost.step.b_fixed[0] > 0
     assert ctrl.cost.observed == 0
     assert_all_free(target, draft)
+
+
+def test_times_the_lowest_free_slots(runners, monkeypatch):
+    """The compiled path runs a forward over the row bucket of slots [0, max slot], so the
+    calibration times the lowest free slots (free_slots lists them highest first): a batch of
+    one is timed as one row, not as the cache's last slot's bucket."""
+    target, _ = runners
+    seen: list[list[int]] = []
+    forward = target.forward
+
+    def spy(rows, slots, *args, **kwargs):
+        seen.append(list(slots))
+        return forward(rows, slots, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    calibrate(Recorder(), target, None, target.cache.free_slots())
+    assert target.cache.free_slots()[0] == 5  # highest first
+    assert {s for slots in seen for s in slots} == {0, 1, 2, 3}
+    assert [0] in seen and [0, 1, 2, 3] in seen
+    assert_all_free(target)

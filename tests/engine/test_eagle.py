@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.drafters.eagle import EagleDrafter
+from engine.drafters.eagle import CATCH_UP, EagleDrafter
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
 from engine.engine import SpecEngine
 from engine.k_control import FixedK
@@ -196,15 +196,18 @@ def fresh_cache(drafter: EagleDrafter, target, seq) -> torch.Tensor:
     return fresh.cache.k[0][0, :, : len(feats)]
 
 
-@pytest.mark.parametrize("case", ["all_accepted", "first_rejected", "mixed"])
+@pytest.mark.parametrize("case", ["all_accepted", "first_rejected", "mixed", "plain_rounds"])
 def test_head_cache_equals_a_fresh_take_in(target, case):
     """After every round the head's real positions equal a fresh take-in of the target's
-    features of the whole sequence, and pending + real covers exactly N - 1 positions."""
+    features of the whole sequence, and pending + real covers exactly N - 1 positions; rounds
+    at K = 0 (``plain_rounds``) leave fewer than CATCH_UP positions pending (commit takes them
+    in)."""
     head = random_head(6)
     engine = eagle_engine(target, head, k=3)
     d = engine.drafter
     assert isinstance(d, EagleDrafter)
-    if case != "mixed":  # force the acceptance: every draft accepted, or the first rejected
+    k = 0 if case == "plain_rounds" else 3
+    if case in ("all_accepted", "first_rejected"):  # force it: all accepted, or the first rejected
         n_acc = 3 if case == "all_accepted" else 0
 
         def rule(probs, drafts, num, q, greedy, u, noise):
@@ -214,7 +217,7 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
 
         engine.accept = rule
     seqs = [
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=30), SpecParams(k=3))
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=30), SpecParams(k=k))
         for i, p in enumerate(prompts(3, seed=11))
     ]
     checked = 0
@@ -225,6 +228,7 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
                 continue
             real = d.real[s.slot]
             assert real + d.pending_n[s.slot] == s.num_tokens - 1
+            assert d.pending_n[s.slot] < CATCH_UP
             ours = d.cache.k[0][s.slot, :, :real]
             ref = fresh_cache(d, target, s)[:, :real]
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

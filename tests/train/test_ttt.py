@@ -3,6 +3,7 @@ index p is the head taking in position p from real features, step j is the j-th 
 step after it (fed the true tokens), attending over the same keys."""
 
 import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.drafters.eagle import EagleDrafter
 from engine.model_runner import ModelRunner
@@ -21,7 +22,8 @@ def test_ttt_steps_equal_the_inference_chain():
     feats = runner.tapped  # [1, S, 3 hidden]
     steps = 3
     d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB)
-    fwd = TTTForward(head, target.model.embed_tokens, d.rotary)
+    rotary = LlamaRotaryEmbedding(config=head.config.llama_config())
+    fwd = TTTForward(head, target.model.embed_tokens, rotary)
     with torch.no_grad():
         outs = fwd(feats, torch.tensor([ids]), steps)  # each [1, S, hidden]
         train_logits = [head.lm_head(o) for o in outs]  # each [1, S, draft_vocab]
@@ -35,14 +37,13 @@ def test_ttt_steps_equal_the_inference_chain():
         def token_array(self):
             return torch.tensor(ids).numpy()
 
-    out = d._ingest([Row()], [P + 1])  # type: ignore[list-item]
-    cols = d.draft_ids
+    out, logits = d._ingest([Row()], [P + 1])  # type: ignore[list-item]
     for j in range(steps):
         if j > 0:  # the chain: own output and the true token t_{P+1+j} at position P + j
-            tok = torch.tensor([[ids[P + 1 + j]]])
-            out = d._layer(tok, out[:, None], [0], [P + j], [1])[:, 0]
+            tok = torch.tensor([ids[P + 1 + j]])
+            out, logits = d._chain(tok, out, [0], [P + j])
             d.cache.commit(0, P + j + 1)
-        inference = d._logits(out)[0, cols]  # [draft_vocab]
+        inference = logits[0]  # [draft_vocab]
         torch.testing.assert_close(inference, train_logits[j][0, P].float(), atol=1e-4, rtol=1e-4)
 
 

@@ -1,0 +1,104 @@
+"""The EAGLE-3 head compiled without guards (engine/drafters/eagle_step.py) computes what the
+eager head computes, for every key and for shapes other than those its graphs compiled with,
+and an engine drafting with it keeps greedy output equal to the target's alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.drafters.eagle import EagleDrafter
+from engine.drafters.eagle_step import HeadGraphs, head_forward
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from tests import helpers
+from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, eagle_engine, prompts, random_head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
+
+
+@pytest.fixture(scope="module")
+def compiled(target):
+    """An engine whose head runs compiled (graphs warmed up), and its drafter."""
+    engine = eagle_engine(target, random_head(5), slots=4, k=3)
+    d = engine.drafter
+    assert isinstance(d, EagleDrafter)
+    d.compile()
+    d.warm_up()
+    return engine, d
+
+
+def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed: int):
+    """``fn`` (eager or compiled head) on random inputs of this shape, rows in slots 0.. at
+    positions ``kv_len - q ..``; returns its outputs and the K written (cache restored)."""
+    g = torch.Generator().manual_seed(seed)
+    width = d.head.fc.in_features if ingest else d.head.config.hidden_size
+    x = torch.randn(rows, q, width, generator=g)
+    ids = torch.randint(0, VOCAB, (rows, q), generator=g)
+    pos = torch.arange(kv_len - q, kv_len).expand(rows, q).clone()
+    last = torch.randint(0, q, (rows,), generator=g)
+    slots = torch.arange(rows)
+    k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
+    kv = d.kv_idx[: kv_len + (-kv_len) % 16]
+    o, logits = fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slots,
+                   d.shape, ingest)  # fmt: skip
+    written = d.cache.k[0][:rows, :, kv_len - q : kv_len].clone()
+    d.cache.k[0].copy_(k0)
+    d.cache.v[0].copy_(v0)
+    return o, logits, written
+
+
+def test_compiled_head_equals_eager_for_every_key_and_new_shapes(compiled):
+    """One graph per key (rows and q each 1 or more; ingest or chain) serves shapes its compile
+    never saw (other row counts, q, key lengths) with the eager head's results."""
+    _, d = compiled
+    assert isinstance(d.forward, HeadGraphs)
+    keys = len(d.forward.graphs)
+    assert keys == 6
+    with torch.inference_mode():
+        d.cache.k[0].normal_(generator=torch.Generator().manual_seed(0))
+        d.cache.v[0].normal_(generator=torch.Generator().manual_seed(1))
+        for i, (rows, q, ingest, kv_len) in enumerate(
+            [(1, 1, False, 7), (3, 1, False, 40), (1, 1, True, 19), (4, 5, True, 33),
+             (2, 3, True, 100), (1, 6, True, 64), (4, 1, True, 2), (2, 1, False, 129)]
+        ):  # fmt: skip
+            ref = call(d, head_forward, rows, q, ingest, kv_len, seed=i)
+            got = call(d, d.forward, rows, q, ingest, kv_len, seed=i)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(d.forward.graphs) == keys  # no new compile: the keys covered every shape
+
+
+def test_greedy_with_the_compiled_head_equals_plain(compiled, target):
+    """Ragged batches drafting through the compiled head emit exactly the target's greedy
+    output, and the compiled head still drafts (some drafts accepted, no faults)."""
+    engine, d = compiled
+    g = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(6, seed=3)
+    plain = helpers.engine_for(target, None, slots=4)
+    refs = [plain.generate([p], g)[0].output_ids for p in ps]
+    outs = engine.generate(ps, g, SpecParams(k=3))
+    assert [s.output_ids for s in outs] == refs
+    assert sum(s.drafted for s in outs) > 0 and engine.drafter_failures == 0
+    assert isinstance(d.forward, HeadGraphs)  # never fell back to eager
+
+
+def test_a_failing_graph_falls_back_to_the_eager_head(target):
+    """A compiled head whose graph raises drafts on eagerly from then on, output unchanged."""
+    engine = eagle_engine(target, random_head(5), slots=2, k=2)
+    d = engine.drafter
+    assert isinstance(d, EagleDrafter)
+
+    def broken(*args):
+        raise RuntimeError("inductor failed")
+
+    d.forward = broken  # type: ignore[assignment]
+    g = SamplingParams(temperature=0, max_tokens=12)
+    p = prompts(1, seed=4)[0]
+    ref = helpers.engine_for(target, None, slots=1).generate([p], g)[0].output_ids
+    out = engine.generate([p], g, SpecParams(k=2))[0]
+    assert out.output_ids == ref and out.drafted > 0
+    assert d.forward is head_forward and engine.drafter_failures == 0
