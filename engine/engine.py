@@ -15,6 +15,7 @@ Terms (K, accepted, recovered, bonus) are defined in rejection.py.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -230,15 +231,17 @@ class SpecEngine:
         return any(r.fast is not None for r in self.runners())
 
     def warm_up(self) -> None:
-        """Compile and run every shape of the fast forward path (engine/fast_forward.py) of the
-        target and the draft model, if they have one, and the drafter's own compiled graphs
-        (the EAGLE-3 head's). The worker calls it before it is ready."""
+        """Compile and run every shape of the target's and draft model's fast forward path
+        (engine/fast_forward.py) and the drafter's own graphs. The worker calls it first."""
         from .fast_forward import warm_up
 
         for runner in self.runners():
             warm_up(runner)
         if self.drafter is not None:
-            self.drafter.warm_up()
+            try:
+                self.drafter.warm_up()
+            except Exception as e:  # noqa: BLE001 -- its rounds fail over to plain ones later
+                logging.getLogger("specd.engine").warning("drafter warm-up failed: %r", e)
 
     # -- what the worker reads (engine/worker.py's Engine protocol) ---------------------------
     @property

@@ -101,6 +101,19 @@ async def collect(w, rid, prompt, params, spec=None):
     ]
 
 
+def test_drafter_warm_up_failure_leaves_the_engine_serving(models, ref, caplog):
+    """A drafter whose warm-up (its compile) raises is logged; the engine still serves exactly."""
+    e = engine_for(models, "ngram")
+
+    def broken():
+        raise RuntimeError("compile failed")
+
+    e.drafter.warm_up = broken
+    e.warm_up()
+    assert "drafter warm-up failed" in caplog.text
+    assert [s.output_ids for s in e.generate(PROMPTS, GREEDY)] == ref
+
+
 def test_target_step_fault_fails_only_the_requests_in_the_step(models, ref):
     """One KV slot: 'a' runs, 'b' waits for the slot. The step fails: 'a' gets an error, 'b'
     (not in the step) still completes exactly, and the worker serves the next request."""
