@@ -10,10 +10,15 @@ from engine.drafters.eagle import EagleDrafter
 from engine.drafters.eagle_q4 import dequantize, quantize, supported
 from engine.drafters.eagle_step import head_forward
 from engine.quant import GROUP
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
 from tests import helpers
-from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, eagle_engine, prompts, random_head
+from tests.engine.test_eagle import (
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    assert_greedy_ragged_equals_plain,
+    eagle_engine,
+    random_head,
+)
 
 
 def dequantized(w: torch.Tensor) -> torch.Tensor:
@@ -73,13 +78,7 @@ def test_greedy_with_the_q4_head_equals_plain():
     target, head = bf16_pair()
     engine = eagle_engine(target, head, slots=4, k=3)
     assert isinstance(engine.drafter, EagleDrafter) and engine.drafter.use_q4()
-    g = SamplingParams(temperature=0, max_tokens=24)
-    ps = prompts(6, seed=5)
-    plain = helpers.engine_for(target, None, slots=4)
-    refs = [plain.generate([p], g)[0].output_ids for p in ps]
-    outs = engine.generate(ps, g, SpecParams(k=3))
-    assert [s.output_ids for s in outs] == refs
-    assert sum(s.drafted for s in outs) > 0 and engine.drafter_failures == 0
+    assert_greedy_ragged_equals_plain(engine, target, seed=5)
 
 
 def test_float32_heads_stay_dense():

@@ -12,7 +12,15 @@ from engine.drafters.eagle_step import HeadGraphs, head_forward
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from tests import helpers
-from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, eagle_engine, prompts, random_head
+from tests.engine.test_eagle import (
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    assert_greedy_ragged_equals_plain,
+    eagle_engine,
+    prompts,
+    random_head,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +84,7 @@ def test_greedy_with_the_compiled_head_equals_plain(compiled, target):
     """Ragged batches drafting through the compiled head emit exactly the target's greedy
     output, and the compiled head still drafts (some drafts accepted, no faults)."""
     engine, d = compiled
-    g = SamplingParams(temperature=0, max_tokens=24)
-    ps = prompts(6, seed=3)
-    plain = helpers.engine_for(target, None, slots=4)
-    refs = [plain.generate([p], g)[0].output_ids for p in ps]
-    outs = engine.generate(ps, g, SpecParams(k=3))
-    assert [s.output_ids for s in outs] == refs
-    assert sum(s.drafted for s in outs) > 0 and engine.drafter_failures == 0
+    assert_greedy_ragged_equals_plain(engine, target, seed=3)
     assert isinstance(d.forward, HeadGraphs)  # never fell back to eager
 
 
