@@ -130,7 +130,9 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drafter = eagle = eagle_drafter(d.source, model, runner)
         if d.head_q4:
             eagle.use_q4()
-        if cfg.compile.enabled:  # the head's step compiled too (engine/drafters/eagle_step.py)
+        # the head's step compiled too (engine/drafters/eagle_step.py), on CPU: on CUDA inductor's
+        # graphs are not used (engine/fast_forward.fast_mode), the head runs eagerly
+        if cfg.compile.enabled and runner.device.type == "cpu":
             eagle.compile(cfg.compile.backend)
         if d.ngram_fallback:
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))

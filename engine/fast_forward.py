@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .group_graphs import GroupGraphs
+from .transfer import to_device
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner
@@ -52,7 +53,9 @@ log = logging.getLogger("specd.fast_forward")
 @dataclass
 class CompileConfig:
     enabled: bool = False
-    # torch.compile mode: "default" | "max-autotune-no-cudagraphs" | "reduce-overhead" (CUDA graphs)
+    # torch.compile mode: "default" | "max-autotune-no-cudagraphs" | "reduce-overhead" (inductor
+    # under CUDA-graph trees); or "cuda-graphs": the eager stack captured as CUDA graphs, no
+    # compiler (engine/cuda_graphs.py)
     mode: str = "default"
     backend: str = "inductor"
     dynamic: bool | None = None  # batch / q / key length dynamic; None: True except CUDA graphs
@@ -93,16 +96,10 @@ class FastForward:
     """Compiled fixed-shape forward of one :class:`~engine.model_runner.ModelRunner`."""
 
     def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
-        self.runner, self.cfg = runner, cfg
+        self._buckets(runner, cfg, k_max)
         cache = runner.cache
         self.cuda_graphs = cfg.mode == "reduce-overhead"
         self.dynamic = (not self.cuda_graphs) if cfg.dynamic is None else cfg.dynamic
-        buckets = sorted(cfg.batch_buckets or default_buckets(cache.num_slots))
-        if buckets[-1] > cache.num_slots:  # e.g. the default's 16 under --max-running 4
-            buckets = [b for b in buckets if b < cache.num_slots] + [cache.num_slots]
-            log.info("batch buckets cut to the cache's %d slots: %s", cache.num_slots, buckets)
-        self.batch_buckets = buckets
-        self.q_buckets = sorted(cfg.q_buckets or default_buckets(2, k_max + 1))
         self.full_kv = self.cuda_graphs  # static key length: the whole cache
         import torch._dynamo as dynamo
         import torch._inductor.config as inductor_config
@@ -113,13 +110,22 @@ class FastForward:
         # shapes another key's compile of the same function saw. (No recompile limit to raise:
         # a graph without guards compiles once, engine/group_graphs.py.)
         dynamo.config.automatic_dynamic_shapes = False
-        if self.cuda_graphs:
-            for t in cache.k + cache.v:
-                dynamo.mark_static_address(t)
+        if self.cuda_graphs:  # fixed addresses: read in place by every replay, never copied
+            for t in cache.k + cache.v + _weight_tensors(runner):
+                dynamo.mark_static_address(t, guard=False)
         mode = None if cfg.mode == "default" else cfg.mode
         # the compiled layer groups, called as the eager layer_group is
         self.graphs = GroupGraphs(cfg.backend, mode, self.dynamic, self.full_kv)
-        self.calls = 0
+
+    def _buckets(self, runner: ModelRunner, cfg: CompileConfig, k_max: int) -> None:
+        self.runner, self.cfg, self.calls = runner, cfg, 0
+        slots = runner.cache.num_slots
+        buckets = sorted(cfg.batch_buckets or default_buckets(slots))
+        if buckets[-1] > slots:  # e.g. the default's 16 under --max-running 4
+            buckets = [b for b in buckets if b < slots] + [slots]
+            log.info("batch buckets cut to the cache's %d slots: %s", slots, buckets)
+        self.batch_buckets = buckets
+        self.q_buckets = sorted(cfg.q_buckets or default_buckets(2, k_max + 1))
 
     def bucket_shape(self, rows: int, q: int) -> tuple[int, int] | None:
         """(batch bucket, q bucket) of a forward over slots ``[0, rows)`` of ``q`` tokens, or
@@ -144,11 +150,11 @@ class FastForward:
         for s, st, n in zip(slots, starts, counts):
             row_start[s], row_count[s] = st, n
         pos, write_pos = runner.cache.positions(row_start, row_count, qb)  # [nb, qb]
-        slot_t = torch.tensor(slots, device=dev)  # [batch]
+        slot_t = to_device(slots, torch.long, dev)  # [batch]
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
         kv_len = max(st + n for st, n in zip(starts, counts))
-        h = self._call(ids_b, pos.to(dev), write_pos.to(dev), self._kv_len(kv_len))
+        h = self._call(ids_b, pos, write_pos, self._kv_len(kv_len))
         if runner.tapped is not None:  # the rows of this forward's slots
             runner.tapped = runner.tapped[slot_t, :q]  # [batch, q, taps * hidden]
         return h[slot_t, :q]  # [batch, q, hidden]
@@ -163,16 +169,29 @@ class FastForward:
     def _call(
         self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
-        """The decoder stack over slots ``[0, nb)`` for ids, pos, write_pos ``[nb, qb]``, keys
-        read up to ``kv_len``; returns final-normed hidden states ``[nb, qb, hidden]``."""
+        """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and the
+        host tensors pos, write_pos ``[nb, qb]``, keys read up to ``kv_len``; returns
+        final-normed hidden states ``[nb, qb, hidden]``."""
         dev = self.runner.device
         nb = ids.shape[0]
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
         self.calls += 1
-        return self.runner.layers_forward(
-            ids, pos, write_pos, rows, kv_idx, 0, self.graphs, self.cfg.layers_per_graph
+        if self.cuda_graphs:  # each forward is a new generation of CUDA-graph trees' outputs
+            torch.compiler.cudagraph_mark_step_begin()
+        h = self.runner.layers_forward(
+            ids,
+            to_device(pos, None, dev),
+            to_device(write_pos, None, dev),
+            rows,
+            kv_idx,
+            0,
+            self.graphs,
+            self.cfg.layers_per_graph,
         )
+        # (the graphs' outputs, overwritten by their next replay, never leave layers_forward:
+        # its final norm and the taps' concatenation are fresh tensors)
+        return h
 
     # -- start-up -------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -187,7 +206,7 @@ class FastForward:
                     ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
                     pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)
                     for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
-                        self._call(ids, pos.to(dev), write_pos.to(dev), kv)
+                        self._call(ids, pos, write_pos, kv)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     log.info(
@@ -205,10 +224,37 @@ class FastForward:
         )
 
 
+def _weight_tensors(runner: ModelRunner) -> list[torch.Tensor]:
+    """The dense tensors of the runner's layer weights (a CUDA graph reads them in place)."""
+    return [v for w in runner.weights for v in w if isinstance(v, torch.Tensor)]
+
+
+def fast_mode(cfg: CompileConfig, device: torch.device) -> str:
+    """The fast path a runner on ``device`` gets for ``cfg.mode``: on CUDA, inductor's graphs
+    are not used (on an H200 with torch 2.11 a guardless inductor graph tripped a device-side
+    index assert, which ends the process's CUDA context: every request after it would fail);
+    CUDA runs the captured eager stack, "cuda-graphs", whatever the mode asks."""
+    if device.type == "cuda" and cfg.backend == "inductor" and cfg.mode != "cuda-graphs":
+        return "cuda-graphs"
+    return cfg.mode
+
+
+def make_fast(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> FastForward:
+    """The fast path of ``runner`` for ``cfg`` (:func:`fast_mode` picks its kind)."""
+    mode = fast_mode(cfg, runner.device)
+    if mode != cfg.mode:
+        log.warning("compile.mode %s on %s runs as %s", cfg.mode, runner.device, mode)
+    if mode == "cuda-graphs":
+        from .cuda_graphs import GraphForward
+
+        return GraphForward(runner, cfg, k_max)
+    return FastForward(runner, cfg, k_max)
+
+
 def attach(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> None:
     """Give ``runner`` a compiled path (compiled lazily: call :func:`warm_up` before serving)."""
     if cfg.enabled:
-        runner.fast = FastForward(runner, cfg, k_max)
+        runner.fast = make_fast(runner, cfg, k_max)
 
 
 def warm_up(runner: ModelRunner) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from .k_control import pinned_k
 from .sequence import Sequence
+from .transfer import to_device
 
 
 def forced_run(seq: Sequence, cap: int) -> list[int]:
@@ -56,7 +57,7 @@ def with_forced(
     for b, run in enumerate(forced):
         if not run:
             continue
-        ids = torch.tensor(run, dtype=torch.long, device=drafts.device)
+        ids = to_device(run, torch.long, drafts.device)
         drafts[b] = 0
         drafts[b, : len(run)] = ids
         num_draft[b] = len(run)

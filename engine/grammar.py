@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .sequence import Sequence
+from .transfer import to_device
 
 
 class GrammarCompiler:
@@ -89,8 +90,9 @@ def apply_grammar(
             bits[r * t + j] = bits[r * t + i]
         m.rollback(consumed)
     out = logits.float().clone()
-    allowed = unpack(bits, vocab).to(out.device).view(len(rows), t, vocab)
-    out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    allowed = to_device(unpack(bits, vocab), None, out.device).view(len(rows), t, vocab)
+    idx = to_device(rows, torch.long, out.device)
+    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
     return out
 
 
@@ -123,8 +125,8 @@ class DraftGrammar:
         for n, i in enumerate(sel):
             llt.fill_next_token_bitmask(self.seqs[rows[i]].matcher, bits, n)
         out = logits.float().clone()
-        allowed = unpack(bits, logits.shape[-1]).to(out.device)  # [sel, vocab]
-        sub = out[sel].masked_fill(~allowed, float("-inf"))  # [sel, vocab]
+        allowed = to_device(unpack(bits, logits.shape[-1]), None, out.device)  # [sel, vocab]
+        sub = out[to_device(sel, torch.long, out.device)].masked_fill(~allowed, float("-inf"))
         keep = torch.isfinite(sub).any(-1).tolist()  # some allowed token has support
         for n, i in enumerate(sel):
             if keep[n]:

@@ -114,6 +114,11 @@ def compile_guardless(fn: Callable, backend: str, mode: str | None = None) -> Ca
         # nor the generated wrapper's checks of every input's sizes and strides (~100 a graph,
         # ~0.5 ms a decode step): the key fixed them
         options.update(size_asserts=False, alignment_asserts=False)
-    return torch.compile(  # type: ignore[call-overload]  # (stubs lack isolate_recompiles)
-        fn, backend=backend, options=options, fullgraph=True, isolate_recompiles=True
+    import inspect
+
+    extra = {}  # entries of its own (torch >= 2.12; before, guardless graphs share none anyway)
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        extra["isolate_recompiles"] = True
+    return torch.compile(  # type: ignore[call-overload]
+        fn, backend=backend, options=options, fullgraph=True, **extra
     )

@@ -22,6 +22,7 @@ from .kv_cache import SlotKVCache
 from .layer import config_shape, grouped_mask, groups_queries, layer_group
 from .layer_weights import LayerWeights, from_layer
 from .quant import Q4Weight, q4_linear
+from .transfer import to_device
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -114,7 +115,7 @@ class ModelRunner:
         else:
             counts = [len(t) for t in tokens]
             q = max(counts)
-            ids = torch.tensor([t + [0] * (q - len(t)) for t in tokens], device=dev)  # [batch, q]
+            ids = to_device([t + [0] * (q - len(t)) for t in tokens], torch.long, dev)  # [batch, q]
         B = len(slots)
         starts = [cache.lengths[s] for s in slots]
         kv_len = max(s + n for s, n in zip(starts, counts))
@@ -133,7 +134,7 @@ class ModelRunner:
         if logits == "hidden":  # the final-normed hidden states (drafter training)
             return h  # [batch, q, hidden]
         if logits == "last":
-            last = torch.tensor([n - 1 for n in counts], device=dev)
+            last = to_device([n - 1 for n in counts], torch.long, dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
         return self.logits(h)  # [batch, vocab] or [batch, q, vocab]
 
@@ -153,28 +154,28 @@ class ModelRunner:
             pos, write_pos = cache.positions(starts, counts, ids.shape[1])
             return self.layers_forward(
                 ids,
-                pos.to(dev),
-                write_pos.to(dev),
-                torch.tensor(slots, device=dev),
+                to_device(pos, None, dev),
+                to_device(write_pos, None, dev),
+                to_device(slots, torch.long, dev),
                 torch.arange(kv_len, device=dev),
                 first if consecutive else None,
             )
         rows = [s - first for s in slots]  # each row's index in the span
         span_ids = ids.new_zeros(span, ids.shape[1])  # [span, q]
-        span_ids[torch.tensor(rows, device=dev)] = ids
+        span_ids[to_device(rows, torch.long, dev)] = ids
         span_starts, span_counts = [0] * span, [0] * span  # idle: scratch writes only
         for r, st, n in zip(rows, starts, counts):
             span_starts[r], span_counts[r] = st, n
         pos, write_pos = cache.positions(span_starts, span_counts, ids.shape[1])
         h = self.layers_forward(
             span_ids,
-            pos.to(dev),
-            write_pos.to(dev),
+            to_device(pos, None, dev),
+            to_device(write_pos, None, dev),
             torch.arange(first, first + span, device=dev),
             torch.arange(kv_len, device=dev),
             first,
         )  # [span, q, hidden]
-        pick = torch.tensor(rows, device=dev)
+        pick = to_device(rows, torch.long, dev)
         if self.tapped is not None:
             self.tapped = self.tapped[pick]
         return h[pick]  # [batch, q, hidden]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .sequence import Sequence
+from .transfer import to_device
 
 
 def apply_penalties(
@@ -41,20 +42,23 @@ def apply_penalties(
 def _row(x: torch.Tensor, seq: Sequence, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
     """``x`` [t, vocab]: one row's logits; position i has seen the output and d_1..d_i."""
     p, dev, t = seq.params, x.device, x.shape[0]
-    out_ids = torch.as_tensor(seq.output_ids, dtype=torch.long, device=dev)
-    base = torch.bincount(out_ids, minlength=vocab).float()  # [vocab]
+    out_ids = to_device(seq.output_ids, torch.long, dev)
+    # [vocab] token counts (not bincount: on CUDA it reads the max id back, a sync)
+    base = torch.zeros(vocab, device=dev).index_add_(
+        0, out_ids, torch.ones_like(out_ids, dtype=torch.float32)
+    )
     step = torch.zeros(t, vocab, device=dev)  # [t, vocab]: row i counts d_i (row 0: nothing)
     if t > 1:
         step[1:].scatter_(-1, drafts[:, None].to(dev), 1.0)
     counts = base[None] + step.cumsum(0)  # [t, vocab]
     if p.repetition_penalty != 1.0:
         prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
-        prompt[torch.as_tensor(seq.prompt_ids, dtype=torch.long, device=dev)] = True
+        prompt[to_device(seq.prompt_ids, torch.long, dev)] = True
         seen = (counts > 0) | prompt[None]
         r = p.repetition_penalty
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
     x = x - counts * p.frequency_penalty - (counts > 0).float() * p.presence_penalty
     if p.logit_bias:
-        ids = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long, device=dev)
-        x[:, ids] += torch.tensor([v for _, v in p.logit_bias], device=dev)
+        ids = to_device([i for i, _ in p.logit_bias], torch.long, dev)
+        x[:, ids] += to_device([float(v) for _, v in p.logit_bias], torch.float32, dev)
     return x

@@ -17,6 +17,7 @@ import torch
 
 from .sampling import SamplingParams, needs_filter
 from .sequence import Sequence
+from .transfer import to_device
 
 
 @dataclass
@@ -38,13 +39,6 @@ class RoundPlan:
     @property
     def num_zero(self) -> torch.Tensor:
         return torch.zeros_like(self.greedy, dtype=torch.long)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on ``device`` without a device sync (pinned, non-blocking copy on CUDA)."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def make_plan(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .sequence import PromptLogprob, Sequence
+from .transfer import to_device
 
 
 def add_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -22,7 +23,7 @@ def add_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None
         return  # the chunk ends the prompt: its last position predicts the first output token
     top_n = seq.params.prompt_logprobs or 0
     lp = torch.log_softmax(logits[: len(nxt)].float(), dim=-1)  # [n, vocab]
-    ids = torch.tensor(nxt, device=lp.device)
+    ids = to_device(nxt, torch.long, lp.device)
     chosen = lp.gather(-1, ids[:, None]).squeeze(-1)  # [n]
     top = lp.topk(max(top_n, 1), dim=-1)  # [n, top]
     packed = torch.cat([chosen[:, None], top.values, top.indices.float()], 1).double().tolist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,6 +17,10 @@ from engine.drafters.hybrid import HybridDrafter
 from engine.engine import SpecEngine
 from engine.model_runner import ModelRunner
 from engine.sampling import logits_to_probs
+
+# the device the tiny models are built on (``SPECD_TEST_DEVICE=cuda pytest ...`` runs the engine
+# tests that take a device on a GPU; the default, CPU, is what CI runs)
+TEST_DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
 
 
 def tiny_llama(
@@ -29,9 +34,9 @@ def tiny_llama(
     tie: bool = False,
     sharpen: float | None = None,
 ):
-    """A tiny random Llama (no download), in eval mode, float32. Its weights depend only on the
-    arguments: the global torch RNG is left as it was (tests may run in any order).
-    ``sharpen`` multiplies the LM head (output distributions far from uniform)."""
+    """A tiny random Llama (no download), in eval mode, float32, on :data:`TEST_DEVICE`. Its
+    weights depend only on the arguments: the global torch RNG is left as it was (tests may run
+    in any order). ``sharpen`` multiplies the LM head (output distributions far from uniform)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -50,7 +55,7 @@ def tiny_llama(
     if sharpen is not None:
         with torch.no_grad():
             model.lm_head.weight.mul_(sharpen)
-    return model
+    return model.to(TEST_DEVICE)
 
 
 def engine_for(
@@ -86,6 +91,7 @@ def engine_for(
     elif drafter in ("eagle3", "eagle3+ngram"):
         if head is None:
             raise ValueError(f"drafter {drafter!r} needs a head")
+        head = head.to(runner.device)
         d = EagleDrafter(head, target.model.embed_tokens, slots, runner.max_len, vocab)
         if drafter == "eagle3+ngram":  # copies where the last 2+ tokens occurred before
             d = HybridDrafter(d, min_match=2, max_n=4)
@@ -125,7 +131,7 @@ def greedy_reference(model, tok, ids: list[int], max_tokens: int) -> list[int]:
     ``generate()`` (the independent reference of the lossless tests), stopping at the EOS."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]),
+            torch.tensor([ids], device=model.device),
             max_new_tokens=max_tokens,
             do_sample=False,
             eos_token_id=tok.eos_token_id,
@@ -139,7 +145,7 @@ def target_probs(model, ids: list[int], temperature: float, top_k: int = 0, top_
     """The target's processed next-token distribution after ``ids`` (transformers' own forward,
     then temperature / top-k / top-p as engine/sampling.py applies them): [vocab] float64."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[:, -1:].float()  # [1, 1, vocab]
+        logits = model(torch.tensor([ids], device=model.device)).logits[:, -1:].float().cpu()
     probs = logits_to_probs(
         logits,
         torch.tensor([temperature or 1.0]),
@@ -218,3 +224,37 @@ def histogram(outputs: Iterable, key: Callable = tuple) -> dict:
         k = key(o)
         counts[k] = counts.get(k, 0) + 1
     return counts
+
+
+# -- device syncs (CUDA) -------------------------------------------------------------------------
+def cuda_syncs(fn: Callable[[], object]) -> list[str]:
+    """Run ``fn`` under ``torch.cuda.set_sync_debug_mode("warn")``; returns one entry per
+    synchronizing CUDA call it made: the innermost frames of the project that made it."""
+    import traceback
+    import warnings
+
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        frames = traceback.extract_stack()[:-1]  # (not this hook)
+        ours = [
+            f
+            for f in frames
+            if "site-packages" not in f.filename and "/lib/python" not in f.filename
+        ]
+        sites.append(
+            " < ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno}" for f in ours[::-1][:4])
+        )
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites

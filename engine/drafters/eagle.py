@@ -34,9 +34,10 @@ from ..grammar import DraftGrammar
 from ..kv_cache import SlotKVCache
 from ..layer import LayerShape
 from ..layer_weights import from_layer
-from ..plan import RoundPlan, to_device
+from ..plan import RoundPlan
 from ..sampling import logits_to_probs
 from ..sequence import Sequence
+from ..transfer import to_device
 from .base import DrafterBase, Proposal
 from .eagle_step import HeadGraphs, HeadWeights, head_forward
 
@@ -275,13 +276,13 @@ class EagleDrafter(DrafterBase):
             self.pending[s.slot], self.pending_n[s.slot] = [pend[n:]], len(pend) - n
             nxt = s.token_array()[st + 1 : st + 1 + n].tolist()
             ids.append(nxt + [0] * (q - n))
-        ids_t = torch.tensor(ids, device=self.device)  # [rows, q]
-        pos, write_pos = self.cache.positions(starts, counts, q)  # [rows, q]
+        ids_t = to_device(ids, torch.long, self.device)  # [rows, q]
+        pos, write_pos = (
+            to_device(t, None, self.device) for t in self.cache.positions(starts, counts, q)
+        )  # [rows, q]
         kv_len = max(st + n for st, n in zip(starts, counts))
         last = [n - 1 for n in counts]
-        out = self._run(
-            ids_t, feats, last, slots, pos.to(self.device), write_pos.to(self.device), kv_len, True
-        )
+        out = self._run(ids_t, feats, last, slots, pos, write_pos, kv_len, True)
         for slot, st, n in zip(slots, starts, counts):
             self.cache.commit(slot, st + n)
             self.real[slot] = st + n

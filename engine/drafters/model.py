@@ -17,9 +17,10 @@ import torch
 
 from ..grammar import DraftGrammar
 from ..model_runner import ModelRunner
-from ..plan import RoundPlan, to_device
+from ..plan import RoundPlan
 from ..sampling import logits_to_probs
 from ..sequence import Sequence
+from ..transfer import to_device
 from .base import DrafterBase, Proposal
 
 
@@ -60,7 +61,11 @@ class ModelDrafter(DrafterBase):
         dev = self.runner.device
         kmax = max(ks)
         tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
-        probs = torch.zeros(len(seqs), kmax, self.vocab_size, device=dev)  # [batch, K, vocab]
+        # [batch, K, vocab]; an all-greedy batch (no draft noise planned) reports none: its
+        # drafts are the argmax, and the rule reads q only for rows that sample
+        probs = (
+            torch.zeros(len(seqs), kmax, self.vocab_size, device=dev) if noise is not None else None
+        )
         rows = [b for b, k in enumerate(ks) if k > 0]
         if not rows:
             return Proposal(tokens, list(ks), probs)
@@ -95,7 +100,8 @@ class ModelDrafter(DrafterBase):
             else:
                 tok = q.argmax(-1)
             tokens[row_t, j] = tok
-            probs[row_t, j] = q
+            if probs is not None:
+                probs[row_t, j] = q
             if guide:
                 guide.took(tok.tolist(), rows)
             feed, counts = tok[:, None], [1] * len(rows)  # [rows, 1]

@@ -9,6 +9,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ..plan import RoundPlan
 from ..sequence import Sequence
+from ..transfer import to_device
 from .base import DrafterBase, Proposal
 
 
@@ -67,7 +68,5 @@ class NgramDrafter(DrafterBase):
         drafts = grammar_prefix(seqs, drafts)
         width = max([len(d) for d in drafts] + [0])
         padded = [d + [0] * (width - len(d)) for d in drafts]
-        tokens = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(
-            len(seqs), width
-        )
+        tokens = to_device(padded, torch.long, self.device).reshape(len(seqs), width)
         return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None)

@@ -7,7 +7,7 @@ Both paths run on the same runner and cache in one process, interleaved (eager, 
     python -m loadtest.bench.steps                        # CPU default: SmolLM2-135M bf16, draft
                                                           # = its first 8 layers
     python -m loadtest.bench.steps --random-config llama-8b --draft-config llama-1b --device cuda \
-        --dtype bfloat16 --mode reduce-overhead           # real-shape random-weight models (GPU)
+        --dtype bfloat16 --mode cuda-graphs               # real-shape random-weight models (GPU)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import statistics
 import torch
 
 from engine.config import EngineConfig
-from engine.fast_forward import CompileConfig, FastForward
+from engine.fast_forward import CompileConfig, make_fast
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.timing import time_call, time_calls
@@ -144,7 +144,7 @@ def main(argv=None):
         runner.forward(ctx, list(range(slots)), counts=[args.context] * slots)  # fill the cache
         for s in range(slots):
             runner.cache.commit(s, args.context)
-        fast = FastForward(runner, ccfg, args.k)
+        fast = make_fast(runner, ccfg, args.k)
         compile_s = time_call(fast.warm_up, dev)
         shapes = len(fast.batch_buckets) * len(fast.q_buckets)
         print(f"{name}: compiled {shapes} shapes in {compile_s:.1f} s", flush=True)

@@ -19,7 +19,7 @@ draft catch-up feeds, sampling and bookkeeping.
 
     # GPU: real-shape models with random weights (no download), CUDA graphs
     python -m loadtest.bench.synthetic --random-config llama-8b --draft-config llama-1b \
-        --device cuda --compile reduce-overhead
+        --device cuda --compile cuda-graphs
     # CPU: a SmolLM2-shaped random target, its first 4 layers as the draft
     python -m loadtest.bench.synthetic --random-config smollm2-135m --draft-layers 4
 """
@@ -85,7 +85,7 @@ def main(argv=None):
     ap.add_argument(
         "--compile",
         default="none",
-        help="none, or a torch.compile mode for the fast path (default, reduce-overhead)",
+        help="none, or a fast-path mode (default; cuda-graphs on a GPU)",
     )
     ap.add_argument("--alphas", default="0.6,0.8,0.9")
     ap.add_argument("--ks", default="2,4,6")

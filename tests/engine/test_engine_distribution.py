@@ -245,14 +245,16 @@ def test_target_as_its_own_draft_matches_target_distribution(models, joint, draf
 
 
 @pytest.mark.slow
-def test_compiled_path_matches_target_distribution(models, joint):
-    """The fast forward path (engine/fast_forward.py, inductor) for the target's verifies and the
-    draft model's steps, at T > 0 with top-k and top-p on: the same test."""
+@pytest.mark.parametrize("mode", ["default", "cuda-graphs"])
+def test_compiled_path_matches_target_distribution(models, joint, mode):
+    """The fast forward path (engine/fast_forward.py: inductor, on CPU; engine/cuda_graphs.py:
+    captured graphs, re-run on CPU, the path of both modes on CUDA) for the target's verifies
+    and the draft model's steps, at T > 0 with top-k and top-p on: the same test."""
     from engine.fast_forward import CompileConfig, attach
 
     engine = engine_for(models, "model", slots=256, chunk=10**6, max_len=128, max_prefill=256)
     # rows are slots (one batch bucket); the key length, padded to 16, is dynamic in the graph
-    cfg = CompileConfig(enabled=True, batch_buckets=[256], q_buckets=[1, 4], kv_align=16)
+    cfg = CompileConfig(enabled=True, mode=mode, batch_buckets=[256], q_buckets=[1, 4], kv_align=16)
     for r in engine.runners():
         attach(r, cfg, K)
     engine.warm_up()

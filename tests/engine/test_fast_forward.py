@@ -92,7 +92,7 @@ def test_padding_rows_never_touch_committed_positions(models):
         r.forward([list(range(1, n + 1))], [s])  # prefill (eager: longer than the q bucket)
         cache.commit(s, n)
     before_k, before_v = torch.stack(cache.k), torch.stack(cache.v)
-    r.forward(torch.tensor([[5, 6, 7]]), [3], counts=[2])  # one row, 2 valid tokens of 3
+    r.forward(torch.tensor([[5, 6, 7]], device=r.device), [3], counts=[2])  # 2 valid of 3
     assert r.fast.calls == 1
     changed = (torch.stack(cache.k) != before_k).any(-1)  # [layers, slots, kv_heads, positions]
     changed |= (torch.stack(cache.v) != before_v).any(-1)

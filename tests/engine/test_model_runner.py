@@ -8,7 +8,7 @@ from engine.model_runner import ModelRunner, UnsupportedModelError
 
 def hf_logits(model, ids):
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
+        return model(torch.tensor([ids], device=model.device)).logits[0]
 
 
 def test_full_prefill_matches_transformers(tiny_llama):
@@ -50,7 +50,7 @@ def test_non_contiguous_slots_and_device_tensor_input(tiny_llama):
     r = ModelRunner(tiny_llama, num_slots=4, max_len=32)
     for _ in range(4):
         r.cache.allocate()
-    ids = torch.tensor([[3, 4, 5], [6, 7, 0]])  # row 1 has 2 valid tokens
+    ids = torch.tensor([[3, 4, 5], [6, 7, 0]], device=r.device)  # row 1 has 2 valid tokens
     out = r.forward(ids, [3, 1], counts=[3, 2], logits="all")
     assert torch.allclose(out[0], hf_logits(tiny_llama, [3, 4, 5]), atol=1e-5)
     assert torch.allclose(out[1, :2], hf_logits(tiny_llama, [6, 7]), atol=1e-5)

@@ -60,7 +60,8 @@ def reference_greedy(model, prompt: list[int], p: SamplingParams, n: int) -> lis
     out: list[int] = []
     for _ in range(n):
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + out])).logits[0, -1].float().tolist()
+            logits = model(torch.tensor([prompt + out], device=model.device)).logits[0, -1]
+            logits = logits.float().tolist()
         x = reference(logits, prompt, out, p)
         out.append(max(range(len(x)), key=x.__getitem__))
     return out
@@ -94,7 +95,8 @@ def exact_joint_penalized(model, p: SamplingParams, n_tokens: int) -> dict:
             joint[tuple(prefix)] = pr
             return
         with torch.no_grad():
-            raw = model(torch.tensor([PROMPT + prefix])).logits[0, -1].float().tolist()
+            ids = torch.tensor([PROMPT + prefix], device=model.device)
+            raw = model(ids).logits[0, -1].float().tolist()
         x = torch.tensor([[reference(raw, PROMPT, prefix, p)]])
         one = torch.ones(1)
         probs = logits_to_probs(x, one * p.temperature, one.long() * 0, one)[0, 0].double()

@@ -1,0 +1,296 @@
+"""One-shot GPU benchmark: bandwidth bound, step costs, plain and speculative decoding, batching.
+
+Sections (each guarded: a failure prints its traceback and the next one runs; the JSON of all
+results so far is rewritten after every section, so a kill keeps what finished):
+  0 device facts and measured memory bandwidth      3 engine plain decode, batch 1
+  1 models (random weights) + engine, compile       4 synthetic acceptance vs the bound, batch 1
+  2 step costs at batch 1 on a filled cache         5 batches: tok/s and p95 ITL, K off/4/adaptive
+Random weights and synthetic acceptance (loadtest/bench/synthetic.py): outputs are not the
+target's; the figures are the engine's speed at a given acceptance rate. A GPU run:
+``python -m loadtest.bench.gpu`` (llama-8b, llama-1b draft, CUDA graphs); a CPU check of the
+plumbing: ``--device cpu --dtype float32 --target tiny --draft tiny --max-tokens 8``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from engine.builder import make_controller
+from engine.config import DrafterConfig
+from engine.drafters import ModelDrafter
+from engine.drafters.eagle import EagleDrafter
+from engine.engine import SpecEngine
+from engine.fast_forward import CompileConfig, attach, warm_up
+from engine.k_control import FixedK
+from engine.model_runner import ModelRunner
+from engine.rejection import rejection_sample
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from engine.timing import time_call, time_calls
+from loadtest.bench import gpu_parts as parts
+from loadtest.bench.steps import time_forward
+from loadtest.bench.synthetic import bound, synthetic_accept
+
+K_MAX = 4
+med = statistics.median
+PLAIN = SpecParams(enabled=False)
+
+
+class Bench:
+    def __init__(self, a):
+        self.a, self.dev, self.dtype = a, torch.device(a.device), getattr(torch, a.dtype)
+        self.r: dict = {"args": vars(a), "errors": {}, "section_s": {}}
+        self.t0, self.nreq, self.bound_tps = time.perf_counter(), 0, None
+        self.gen = torch.Generator(device=self.dev).manual_seed(2)  # synthetic acceptance draws
+        self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=a.max_tokens)
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {msg}", flush=True)
+
+    def save(self) -> None:
+        if self.dev.type == "cuda":
+            self.r["max_memory_gib"] = torch.cuda.max_memory_allocated(self.dev) / 2**30
+        os.makedirs(os.path.dirname(self.a.json) or ".", exist_ok=True)
+        with open(self.a.json, "w") as f:
+            json.dump(self.r, f, indent=1, default=str)
+
+    def prompt(self, seed: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, self.vocab, (self.a.prompt_tokens,), generator=g).tolist()
+
+    def s0(self) -> None:
+        d, cuda = self.dev, self.dev.type == "cuda"
+        out = {"torch": torch.__version__, "device": str(d)}
+        if cuda:
+            p = torch.cuda.get_device_properties(d)
+            out |= {"gpu": p.name, "sms": p.multi_processor_count, "gib": p.total_memory / 2**30}
+        gib = self.a.bw_gib or (2.0 if cuda else 0.125)
+        n, t_copy, t_sum = parts.bandwidth(d, gib)
+        if cuda:
+            torch.cuda.empty_cache()
+        out |= dict(bw_gib=gib, copy_ms=t_copy * 1e3, copy_rw_gbs=2 * n / t_copy / 1e9)
+        out |= dict(copy_read_gbs=n / t_copy / 1e9, sum_read_gbs=n / t_sum / 1e9)
+        self.r["s0"] = out
+        self.log(f"device facts and bandwidth (GB/s): {parts.short(out)}")
+
+    def s1(self) -> None:
+        a, t = self.a, time.perf_counter()
+        self.tmodel = parts.build_model(a.target, self.dtype, self.dev)
+        dmodel = parts.build_model(a.draft, self.dtype, self.dev)
+        build_s = time.perf_counter() - t
+        emb, head = self.tmodel.model.embed_tokens.weight, self.tmodel.lm_head.weight
+        wbytes = sum(p.numel() * p.element_size() for p in self.tmodel.parameters())
+        wbytes -= emb.numel() * emb.element_size() * (head is not emb)  # a lookup reads a row
+        bw = self.r.get("s0", {}).get("copy_rw_gbs")
+        self.bound_tps = bw * 1e9 / wbytes if bw else None
+        batches = [int(b) for b in a.batches.split(",")]
+        max_len = max(a.prompt_tokens + a.max_tokens, a.context) + K_MAX + 32
+        self.target = ModelRunner(self.tmodel, max(batches), max_len)
+        draft = ModelRunner(dmodel, max(batches), max_len, name="draft")
+        self.vocab = min(self.target.vocab_size, draft.vocab_size)
+        self.drafter = ModelDrafter(draft, self.vocab)
+        self.engine = SpecEngine(self.target, self.drafter, [], controller=FixedK(0), k_max=K_MAX)
+        out = dict(build_s=build_s, weight_bytes=wbytes, bound_tok_s=self.bound_tps)
+        self.r["s1"] = out | dict(max_len=max_len, compile=a.compile)
+        self.compile(self.engine, batches, self.r["s1"])
+        self.r["s1"]["graphs_after_warm_up"] = parts.graph_counts(self.engine.runners())
+        self.log(f"models and engine: {parts.short(self.r['s1'])}")
+
+    def compile(self, eng: SpecEngine, batches: list[int], out: dict) -> None:
+        """The fast path (--compile mode) on every runner of ``eng``, warmed up (timed)."""
+        if self.a.compile == "none":
+            return
+        q = list(range(1, K_MAX + 2))
+        cc = CompileConfig(enabled=True, mode=self.a.compile, batch_buckets=batches, q_buckets=q)
+        for r in eng.runners():
+            attach(r, cc, K_MAX)
+            out[f"warm_up_s_{r.name}"] = time_call(lambda r=r: warm_up(r), self.dev)
+            out[f"fast_path_{r.name}"] = r.fast is not None  # False: it fell back to eager
+
+    def s2(self) -> None:
+        a, rows = self.a, []
+        for r in self.engine.runners():
+            r.cache.allocate(0)
+            try:  # slot 0 holds `context` tokens; the timed forwards write past them uncommitted
+                ctx = torch.randint(0, r.vocab_size, (1, a.context), device=self.dev)
+                r.forward(ctx, [0], counts=[a.context])
+                r.cache.commit(0, a.context)
+                dec = med(time_forward(r, 1, 1, a.reps, warmup=3)) * 1e3
+                ver = med(time_forward(r, 1, K_MAX + 1, a.reps, warmup=3)) * 1e3
+            finally:
+                r.cache.free(0)
+            rows.append(dict(model=r.name, decode_ms=dec, verify5_ms=ver, ratio=ver / dec))
+            self.log(f"step costs: {parts.short(rows[-1])}")
+        t, d = rows
+        out = dict(rows=rows, c=d["decode_ms"] / t["decode_ms"], fwd_tok_s=1e3 / t["decode_ms"])
+        out["fwd_of_bound"] = out["fwd_tok_s"] / self.bound_tps if self.bound_tps else None
+        self.r["s2"] = out
+
+    def generate(self, eng: SpecEngine, spec: SpecParams, alpha: float | None, seed: int):
+        """tok/s of one engine.generate at batch 1 (synthetic acceptance ``alpha``, or the real
+        rule), and its tokens per target pass."""
+        eng.accept = synthetic_accept(alpha, self.gen) if alpha else rejection_sample
+        seqs, p = [], self.prompt(seed)
+        dt = time_call(lambda: seqs.extend(eng.generate([p], self.params, spec)), eng.device)
+        n = sum(len(s.output_ids) for s in seqs)
+        return n / dt, n / sum(s.target_passes for s in seqs)
+
+    def s3(self) -> None:
+        self.generate(self.engine, PLAIN, None, 0)  # warm
+        runs = [self.generate(self.engine, PLAIN, None, 0)[0] for _ in range(3)]
+        b = self.bound_tps
+        self.r["s3"] = dict(tok_s=med(runs), runs=runs, of_bound=med(runs) / b if b else None)
+        # the graphs replay the eager path's kernels: greedy output must be the eager one's
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=48)
+        prompts = [self.prompt(7 + i) for i in range(3)]
+        fast = [r.fast for r in self.engine.runners()]
+        out = [s.output_ids for s in self.engine.generate(prompts, params, SpecParams(k=3))]
+        for r in self.engine.runners():
+            r.fast = None
+        try:
+            ref = [s.output_ids for s in self.engine.generate(prompts, params, PLAIN)]
+        finally:
+            for r, f in zip(self.engine.runners(), fast):
+                r.fast = f
+        self.r["s3"]["greedy_spec_graphs_equals_plain_eager"] = out == ref
+        self.log(f"engine plain decode, batch 1: {parts.short(self.r['s3'])}")
+
+    def spec_rows(self, eng: SpecEngine, c: float, label: str) -> list[dict]:
+        a, rows = self.a, []
+        self.generate(eng, PLAIN, None, 1)  # warm both paths
+        self.generate(eng, SpecParams(k=K_MAX), 0.8, 1)
+        for alpha in [float(x) for x in a.alphas.split(",")]:
+            for k in [int(x) for x in a.ks.split(",")]:
+                plain, spec, tpp = [], [], []
+                for i in range(a.repeats):  # ABBA
+                    for name in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+                        if name == "plain":
+                            plain.append(self.generate(eng, PLAIN, None, 1)[0])
+                        else:
+                            s, per_pass = self.generate(eng, SpecParams(k=k), alpha, 1)
+                            spec.append(s)
+                            tpp.append(per_pass)
+                p, s, e = med(plain), med(spec), (1 - alpha ** (k + 1)) / (1 - alpha)
+                row = dict(drafter=label, alpha=alpha, k=k, c=c, plain_tok_s=p, spec_tok_s=s)
+                row |= dict(tok_per_pass=statistics.mean(tpp), E=e, speedup=s / p)
+                row |= dict(bound=bound(alpha, k, c), of_bound=s / p / bound(alpha, k, c))
+                row["drafter_failures"] = eng.drafter_failures  # > 0: rounds fell back to plain
+                rows.append(row)
+                self.log(f"synthetic acceptance: {parts.short(row)}")
+        eng.accept = rejection_sample
+        return rows
+
+    def s4(self) -> None:
+        if "s2" not in self.r:
+            self.s2()
+        self.r["s4"] = {"model": self.spec_rows(self.engine, self.r["s2"]["c"], self.a.draft)}
+        self.save()
+        if not self.a.eagle:
+            return
+        # its own target runner (one slot), tapped before its fast path captures anything
+        dev, k = self.dev, self.r["s4"]
+        t = ModelRunner(self.tmodel, 1, self.target.max_len, name="target_eagle")
+        head = parts.random_head(self.tmodel, self.dtype, dev)
+        d = EagleDrafter(head, self.tmodel.model.embed_tokens, 1, t.max_len, t.vocab_size)
+        eng = SpecEngine(t, d, [], controller=FixedK(0), k_max=K_MAX)  # sets t.taps
+        self.compile(eng, [1], k)
+        # c: one chained head step / one target decode step, batch 1, `context` tokens cached
+        ctx = min(self.a.context, t.max_len - K_MAX - 2)
+        for cache in (t.cache, d.cache):
+            cache.allocate(0)
+            cache.commit(0, ctx)
+        try:
+            tok = torch.tensor([42], device=dev)
+            o = torch.zeros(1, head.config.hidden_size, dtype=self.dtype, device=dev)
+            step = lambda: d._chain(tok, o, [0], [ctx])[1].argmax(-1)  # noqa: E731
+            k["eagle_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
+            fwd = lambda: t.forward(tok[:, None], [0], [1])  # noqa: E731
+            k["eagle_target_ms"] = med(time_calls(fwd, dev, self.a.reps, warmup=3)) * 1e3
+        finally:
+            t.cache.free(0)
+            d.cache.free(0)
+        k["eagle_c"] = k["eagle_step_ms"] / k["eagle_target_ms"]
+        self.log(
+            f"EAGLE-3 head (eager): {parts.short({x: v for x, v in k.items() if x != 'model'})}"
+        )
+        k["eagle"] = self.spec_rows(eng, k["eagle_c"], "eagle3")
+
+    def load(self, eng: SpecEngine, batch: int, spec: SpecParams, max_tokens: int) -> dict:
+        """``batch`` requests at once, stepped to completion: tok/s, p95 inter-token latency
+        (each emission's gap since the request's previous one, per token), tokens per pass."""
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
+        seqs = []
+        for i in range(batch):
+            self.nreq += 1
+            seqs.append(eng.add_request(f"r{self.nreq}", self.prompt(100 + i), params, spec))
+        last: dict[str, float] = {}
+        itl, ks = [], []
+        t0 = time.perf_counter()
+        while eng.has_work():
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                n = len(o.new_token_ids)
+                ks += [o.stats.k] if o.stats is not None else []
+                if n and o.request_id in last:
+                    itl += [(now - last[o.request_id]) / n] * n
+                last[o.request_id] = now if n else last.get(o.request_id, now)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(s.output_ids) for s in seqs)
+        p95 = float(np.percentile(itl, 95)) * 1e3 if itl else None
+        out = dict(batch=batch, tok_s=tokens / wall, p95_itl_ms=p95, wall_s=wall)
+        passes = sum(s.target_passes for s in seqs)
+        return out | dict(tok_per_pass=tokens / passes, mean_k=statistics.mean(ks or [0]))
+
+    def s5(self) -> None:
+        ctl = make_controller(DrafterConfig(controller="adaptive", k_max=K_MAX), self.drafter)
+        eng = SpecEngine(self.target, self.drafter, [], controller=ctl, k_max=K_MAX)
+        eng.accept = synthetic_accept(0.8, self.gen)
+        t = time.perf_counter()
+        self.load(eng, 1, SpecParams(), 8)  # the engine calibrates the controller here
+        self.r["s5"] = dict(alpha=0.8, calibrate_warm_s=time.perf_counter() - t, rows=[])
+        modes = [("off", PLAIN), (f"K={K_MAX}", SpecParams(k=K_MAX)), ("adaptive", SpecParams())]
+        for b in [int(x) for x in self.a.batches.split(",")]:
+            self.load(eng, b, PLAIN, 8)  # warm this batch size
+            for mode, spec in modes:
+                row = {"mode": mode} | self.load(eng, b, spec, self.a.max_tokens)
+                self.r["s5"]["rows"].append(row)
+                self.log(f"batch: {parts.short(row)}")
+            self.save()
+        self.r["s5"]["graphs"] = parts.graph_counts(self.engine.runners())
+
+    def report(self) -> None:
+        parts.report(self.r, self.a, self.dev)
+
+
+def main(argv=None) -> None:
+    a = parts.parse_args(argv, __doc__)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    sections = sorted({int(s) for s in a.sections.split(",")})
+    if any(s >= 2 for s in sections):
+        sections = sorted({*sections, 1})  # the models and engine
+    b = Bench(a)
+    for n in sections:
+        b.log(f"== section {n}")
+        t = time.perf_counter()
+        try:
+            getattr(b, f"s{n}")()
+        except Exception:  # noqa: BLE001 -- one section's failure must not lose the others
+            traceback.print_exc()
+            b.r["errors"][n] = traceback.format_exc(limit=-4)
+        b.r["section_s"][n] = time.perf_counter() - t
+        b.save()
+        b.log(f"section {n} done in {b.r['section_s'][n]:.1f} s; results in {a.json}")
+    b.report()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The captured fast path (engine/cuda_graphs.py, ``compile.mode: cuda-graphs``, the fast path
+of every mode on CUDA): greedy output through the graphs equals target-only greedy through the
+eager engine, every bucket is captured once at warm-up and never again, and a round syncs once.
+
+On a machine without CUDA the recorder re-runs the forward on the graphs' static buffers: the
+equality tests then check the buffer plumbing. ``SPECD_TEST_DEVICE=cuda`` runs them with real
+graphs; the tests marked for CUDA run only there."""
+
+import pytest
+import torch
+
+from engine.cuda_graphs import GraphForward, kv_buckets
+from engine.fast_forward import CompileConfig, attach, fast_mode
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from tests.helpers import TEST_DEVICE, cuda_syncs, engine_for
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+on_cuda = pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="needs SPECD_TEST_DEVICE=cuda")
+
+
+def prompts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 64, (int(L),), generator=g).tolist() for L in (3, 17, 40, 9, 60)[:n]]
+
+
+def graph_engine(models, drafter, mode="cuda-graphs", **cfg):
+    e = engine_for(models, drafter)
+    for r in e.runners():
+        attach(r, CompileConfig(enabled=True, mode=mode, **cfg), e.k_max)
+    e.warm_up()
+    return e
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", None])
+def test_captured_engine_equals_eager_target_greedy(models, drafter):
+    """Singles and a ragged batch of 5 (slots 0-4: the 8-row bucket, 3 padding rows), at K = 4
+    (q = 5, padded to the 9-token bucket) and plain; no capture after warm-up."""
+    ps = prompts()
+    ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
+    e = graph_engine(models, drafter, batch_buckets=[1, 2, 4, 8], q_buckets=[1, 2, 9])
+    fast = [r.fast for r in e.runners()]
+    assert all(isinstance(f, GraphForward) for f in fast)
+    n = 4 * 3 * len(fast[0].kv_buckets)
+    assert [f.captures for f in fast] == [n] * len(fast)  # every (batch, q, keys) bucket, once
+    spec = SpecParams(k=4)
+    assert [e.generate([p], GREEDY, spec)[0].output_ids for p in ps[:2]] == ref[:2]
+    assert [s.output_ids for s in e.generate(ps, GREEDY, spec)] == ref
+    assert [f.captures for f in fast] == [n] * len(fast)  # steady state: replays only
+    assert fast[0].replays > 2 * 24 // 5
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_captured_engine_equals_eager_when_sampling(models, drafter):
+    """Seeded sampling through the graphs gives the eager engine's very tokens (the same
+    arithmetic, the same draws)."""
+    ps = prompts()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=i) for i in range(5)]
+    spec = SpecParams(k=3)
+    ref = [s.output_ids for s in engine_for(models, drafter).generate(ps, params, spec)]
+    e = graph_engine(models, drafter, batch_buckets=[8], q_buckets=[1, 4])
+    assert [s.output_ids for s in e.generate(ps, params, spec)] == ref
+
+
+def test_key_length_buckets():
+    assert kv_buckets(64, 257) == [64, 128, 256, 257]
+    assert kv_buckets(64, 64) == [64]
+    assert kv_buckets(16, 40) == [16, 32, 40]
+
+
+def test_a_failing_capture_falls_back_to_eager(models, monkeypatch):
+    def broken(self, nb, qb, kv):
+        raise RuntimeError("no graphs here")
+
+    monkeypatch.setattr(GraphForward, "_capture", broken)
+    ps = prompts(3)
+    ref = [s.output_ids for s in engine_for(models, "ngram").generate(ps, GREEDY)]
+    e = graph_engine(models, "ngram", batch_buckets=[8], q_buckets=[1, 5])
+    assert e.target.fast is None
+    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+
+
+@on_cuda
+def test_one_sync_per_round_through_graphs(models):  # pragma: no cover - GPU only
+    e = graph_engine(models, "model", batch_buckets=[4, 8], q_buckets=[1, 4])
+    params = SamplingParams(temperature=0.7, max_tokens=40)
+    for i, p in enumerate(prompts(4)):
+        e.add_request(f"r{i}", p, params, SpecParams(k=3))
+    e.step()
+    e.step()
+    rounds = [cuda_syncs(e.step) for _ in range(5)]
+    assert all(len(r) == 1 for r in rounds), rounds
+
+
+def test_inductor_modes_run_as_captured_graphs_on_cuda():
+    """On CUDA every inductor mode is served by the captured eager stack (engine/fast_forward.py
+    ``fast_mode``: inductor's guardless graphs tripped a device-side assert there); CPU keeps
+    the mode it asks for, and so does the dynamo-only "eager" backend."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for mode in ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "cuda-graphs"):
+        assert fast_mode(CompileConfig(enabled=True, mode=mode), cuda) == "cuda-graphs"
+        assert fast_mode(CompileConfig(enabled=True, mode=mode), cpu) == mode
+    assert fast_mode(CompileConfig(enabled=True, backend="eager"), cuda) == "default"
