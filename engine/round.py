@@ -35,11 +35,13 @@ from .k_control import KController
 from .model_runner import ModelRunner
 from .output import StepOutput, make_output, to_host
 from .penalties import apply_penalties
-from .plan import RoundPlan, make_plan, to_device
+from .plan import RoundPlan, make_plan
 from .rejection import rejection_sample
 from .sampling import logits_to_probs
 from .scheduler import Scheduler
 from .sequence import RoundStats, Sequence, Status
+from .timing import PhaseClock
+from .transfer import to_device
 
 AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # rejection_sample's signature
 
@@ -71,7 +73,8 @@ class Speculator:
         asked = [0 if f else self.controller.k_for(s, cap) for s, cap, f in zip(seqs, caps, forced)]
         plan = self._plan(seqs, [len(f) or k for f, k in zip(forced, asked)])
         # 2. propose
-        t0 = time.perf_counter()
+        clock = PhaseClock(self.device)  # the draft and verify phases' device time
+        clock.mark()
         prop = None
         if self.drafter is not None and any(asked):
             prop = self.drafter.propose(seqs, replace(plan, ks=asked))
@@ -83,7 +86,7 @@ class Speculator:
         if any(forced):
             drafts, num_draft, draft_probs = with_forced(drafts, num_draft, draft_probs, forced)
         kmax = drafts.shape[1]
-        t1 = time.perf_counter()
+        clock.mark()
         # 3. verify: one target pass over [last token, d_1..d_K] per row
         verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
         counts = [n + 1 for n in num_draft]
@@ -93,6 +96,7 @@ class Speculator:
             self.drafter.observe(seqs, self.target.tapped, starts, counts)
         logits = self._process(logits, seqs, drafts, num_draft)  # [batch, K+1, vocab]
         probs = self._probs(logits, plan)  # [batch, K+1, vocab]
+        clock.mark()
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync
         num_t = to_device(num_draft, torch.long, self.device)
@@ -102,6 +106,7 @@ class Speculator:
         )
         rows = to_host(probs, drafts, num_acc, next_tok, self._top_n(seqs))
         t2 = time.perf_counter()
+        draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
         # 5. commit / rollback
         outputs = []
         for s, k, n, f, row in zip(seqs, asked, num_draft, forced, rows):
@@ -115,7 +120,7 @@ class Speculator:
             )
             emitted = self.scheduler.postprocess(s, row.drafts[:kept] + [row.next_token])
             advance(s, emitted)
-            stats = RoundStats(k, nd, a, len(emitted), t1 - t0, tv - t1, kmax, t2 - tv, free)
+            stats = RoundStats(k, nd, a, len(emitted), draft_s, verify_s, kmax, t2 - tv, free)
             next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
             self.controller.observe(s, k, stats, next_cap)
             outputs.append(make_output(s, emitted, stats, row))
@@ -125,7 +130,7 @@ class Speculator:
         t3 = time.perf_counter()
         width = max(asked)  # the drafter's own steps: forced runs cost it none
         steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
-        self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - (t1 - t0), t1 - t0)
+        self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - draft_s, draft_s)
         return outputs
 
     def first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:

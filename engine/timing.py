@@ -51,3 +51,31 @@ def time_calls(
         synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+class PhaseClock:
+    """The times between marks of one round, without a sync of its own. On CPU, where torch runs
+    eagerly, a mark is the wall clock. On CUDA the host only queues a phase's kernels: the wall
+    clock would price a draft model's phase at its launches and bill its run to whatever syncs
+    next. There a mark is also a CUDA event on the stream, read after the round's one sync (the
+    events before it are complete by then), and a phase costs the longer of its host time (an
+    n-gram lookup, say) and its device time (a draft model's steps): the two overlap."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.walls: list[float] = []
+        self.events: list = []
+
+    def mark(self) -> None:
+        self.walls.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+
+    def seconds(self, i: int, j: int) -> float:
+        """Seconds from mark ``i`` to mark ``j`` (on CUDA: only after a sync covering both)."""
+        wall = self.walls[j] - self.walls[i]
+        if not self.cuda:
+            return wall
+        return max(wall, self.events[i].elapsed_time(self.events[j]) / 1e3)

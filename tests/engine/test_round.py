@@ -94,3 +94,31 @@ def test_one_sync_per_round_on_cuda(models, drafter):  # pragma: no cover - runs
     for _ in range(5):
         syncs = cuda_syncs(e.step)
         assert len(syncs) == 1, syncs
+
+
+def test_phase_clock_on_cpu_is_the_wall_clock():
+    import time
+
+    from engine.timing import PhaseClock
+
+    clock = PhaseClock("cpu")
+    clock.mark()
+    time.sleep(0.02)
+    clock.mark()
+    assert 0.015 < clock.seconds(0, 1) < 1.0 and not clock.events
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_phase_clock_on_cuda_counts_queued_device_work():  # pragma: no cover - GPU only
+    """A phase that only queues ~50 ms of kernels is priced at their run, not their launch."""
+    from engine.timing import PhaseClock
+
+    x = torch.randn(4096, 4096, device="cuda")
+    clock = PhaseClock("cuda")
+    clock.mark()
+    for _ in range(20):
+        x = x @ x / 64
+    clock.mark()
+    x.sum().item()  # the round's sync
+    wall_launch = clock.walls[1] - clock.walls[0]
+    assert clock.seconds(0, 1) >= wall_launch and clock.seconds(0, 1) > 1e-3
