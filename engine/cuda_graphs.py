@@ -4,7 +4,7 @@
 A decode step of a large model at batch 1 is a few hundred small kernels; launched one by one
 from Python they cost more than the weights take to read. :class:`GraphForward` records the eager
 decoder stack (:meth:`engine.model_runner.ModelRunner.layers_forward`, no compiler) once per
-(batch, q) bucket into a ``torch.cuda.CUDAGraph`` and replays it: one launch a forward. It runs
+bucket into a ``torch.cuda.CUDAGraph`` and replays it: one launch a forward. It runs
 the shapes of :class:`~engine.fast_forward.FastForward` (rows are slots ``[0, bucket)``, q padded
 to a bucket, padding rows write only to the scratch column), and pads the key length to a
 power-of-two bucket (``kv_align``, twice that, ... up to the whole cache): attention never reads
@@ -67,10 +67,9 @@ class GraphForward(FastForward):
 
     def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
-        self.cuda_graphs, self.dynamic, self.full_kv = False, False, False
         self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
         self.captured: dict[tuple[int, int, int], Captured] = {}
-        self.captures = self.replays = 0
+        self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
         self._taps = runner.taps
         self.pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
 
@@ -91,7 +90,6 @@ class GraphForward(FastForward):
         copy_into(g.write_pos, write_pos)
         g.replay()
         self.calls += 1
-        self.replays += 1
         self.runner.tapped = g.tapped
         return g.out
 

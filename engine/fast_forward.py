@@ -110,9 +110,9 @@ class FastForward:
         # shapes another key's compile of the same function saw. (No recompile limit to raise:
         # a graph without guards compiles once, engine/group_graphs.py.)
         dynamo.config.automatic_dynamic_shapes = False
-        if self.cuda_graphs:  # fixed addresses: read in place by every replay, never copied
-            for t in cache.k + cache.v + _weight_tensors(runner):
-                dynamo.mark_static_address(t, guard=False)
+        if self.cuda_graphs:
+            for t in cache.k + cache.v:
+                dynamo.mark_static_address(t)
         mode = None if cfg.mode == "default" else cfg.mode
         # the compiled layer groups, called as the eager layer_group is
         self.graphs = GroupGraphs(cfg.backend, mode, self.dynamic, self.full_kv)
@@ -177,9 +177,7 @@ class FastForward:
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
         self.calls += 1
-        if self.cuda_graphs:  # each forward is a new generation of CUDA-graph trees' outputs
-            torch.compiler.cudagraph_mark_step_begin()
-        h = self.runner.layers_forward(
+        return self.runner.layers_forward(
             ids,
             to_device(pos, None, dev),
             to_device(write_pos, None, dev),
@@ -189,9 +187,6 @@ class FastForward:
             self.graphs,
             self.cfg.layers_per_graph,
         )
-        # (the graphs' outputs, overwritten by their next replay, never leave layers_forward:
-        # its final norm and the taps' concatenation are fresh tensors)
-        return h
 
     # -- start-up -------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -222,11 +217,6 @@ class FastForward:
             len(self.batch_buckets) * len(self.q_buckets),
             time.perf_counter() - t0,
         )
-
-
-def _weight_tensors(runner: ModelRunner) -> list[torch.Tensor]:
-    """The dense tensors of the runner's layer weights (a CUDA graph reads them in place)."""
-    return [v for w in runner.weights for v in w if isinstance(v, torch.Tensor)]
 
 
 def fast_mode(cfg: CompileConfig, device: torch.device) -> str:

@@ -35,7 +35,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.timing import time_call, time_calls
 from loadtest.bench import gpu_parts as parts
-from loadtest.bench.steps import time_forward
+from loadtest.bench.steps import random_model, time_forward
 from loadtest.bench.synthetic import bound, synthetic_accept
 
 K_MAX = 4
@@ -82,8 +82,8 @@ class Bench:
 
     def s1(self) -> None:
         a, t = self.a, time.perf_counter()
-        self.tmodel = parts.build_model(a.target, self.dtype, self.dev)
-        dmodel = parts.build_model(a.draft, self.dtype, self.dev)
+        self.tmodel = random_model(a.target, self.dtype, self.dev)
+        dmodel = random_model(a.draft, self.dtype, self.dev)
         build_s = time.perf_counter() - t
         emb, head = self.tmodel.model.embed_tokens.weight, self.tmodel.lm_head.weight
         wbytes = sum(p.numel() * p.element_size() for p in self.tmodel.parameters())

@@ -1,5 +1,5 @@
-"""Parts of the GPU benchmark (loadtest/bench/gpu.py): random-weight models and an EAGLE-3 head of
-real shapes built without a float32 copy, the memory-bandwidth measurement, and the report."""
+"""Parts of the GPU benchmark (loadtest/bench/gpu.py): a random EAGLE-3 head of a target's shape
+(built without a float32 copy), the memory-bandwidth measurement, and the report."""
 
 from __future__ import annotations
 
@@ -10,12 +10,8 @@ import torch
 
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
 from engine.timing import time_calls
-from loadtest.bench.steps import SHAPES
+from loadtest.bench.steps import SHAPES, in_dtype
 
-TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=512,
-)  # fmt: skip
 SGLANG = (
     "SGLang published (Llama-3.1-8B, H100, batch 1): 158 tok/s plain, 373 tok/s EAGLE-3 "
     "(real weights, real acceptance)"
@@ -40,27 +36,6 @@ def table(title: str, rows: list[dict], cols: str) -> None:
     print("  " + "".join(f"{k:>{w}}" for (k, _), w in zip(spec, width)))
     for c in cells:
         print("  " + "".join(f"{x:>{w}}" for x, w in zip(c, width)))
-
-
-def in_dtype(dtype: torch.dtype, device, make):
-    """``make()`` with ``dtype`` as the default dtype on ``device``: modules are created in it
-    directly (no transient float32 copy of an 8B model)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return make().to(dtype).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(old)
-
-
-def build_model(name: str, dtype: torch.dtype, device):
-    """A random-weight Llama of shape ``name`` (steps.SHAPES, or ``tiny``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape = TINY if name == "tiny" else SHAPES[name]
-    cfg = LlamaConfig(max_position_embeddings=8192, rope_theta=500000.0, **shape)
-    return in_dtype(dtype, device, lambda: LlamaForCausalLM(cfg))
 
 
 def random_head(model, dtype: torch.dtype, device) -> Eagle3Head:
@@ -137,7 +112,7 @@ def parse_args(argv, doc: str):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     for name, default, doc in (
         ("device", "cuda", ""), ("dtype", "bfloat16", ""), ("compile", "cuda-graphs", "or none"),
-        ("target", "llama-8b", f"{sorted(SHAPES)} or tiny"), ("draft", "llama-1b", ""),
+        ("target", "llama-8b", f"one of {sorted(SHAPES)}"), ("draft", "llama-1b", ""),
         ("batches", "1,8,32,64", ""), ("context", 256, "tokens cached in section 2"),
         ("prompt-tokens", 32, ""), ("max-tokens", 128, ""), ("alphas", "0.6,0.8,0.9", ""),
         ("ks", "2,4", ""), ("repeats", 2, "ABBA plain / spec alternations"),

@@ -43,6 +43,14 @@ SHAPES = {
         num_key_value_heads=8,
         vocab_size=128256,
     ),
+    "tiny": dict(  # CPU checks of a benchmark's plumbing
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
     "smollm2-135m": dict(
         hidden_size=576,
         intermediate_size=1536,
@@ -54,13 +62,24 @@ SHAPES = {
 }
 
 
+def in_dtype(dtype: torch.dtype, device, make):
+    """``make()`` with ``dtype`` as the default dtype on ``device``: modules are created in it
+    directly (no transient float32 copy of an 8B model)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return make().to(dtype).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(old)
+
+
 def random_model(name: str, dtype: torch.dtype, device: str):
+    """A random-weight Llama of the shape ``SHAPES[name]``, built in ``dtype`` on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(max_position_embeddings=8192, rope_theta=500000.0, **SHAPES[name])
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
-    return model
+    return in_dtype(dtype, device, lambda: LlamaForCausalLM(cfg))
 
 
 def time_forward(
