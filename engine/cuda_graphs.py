@@ -24,7 +24,8 @@ Invariants:
   queued, and nothing keeps them.
 - A graph holds the taps (EAGLE-3 features) the runner named at its capture: when the runner's
   taps change, every graph is dropped and recaptured on use.
-- The same arithmetic as the eager path (the same kernels, minus launches), so the lossless
+- The same arithmetic as the eager path (the same kernels, minus launches; with
+  ``compile.fuse``, inductor's fused kernels of the same layer functions), so the lossless
   tests hold through it; on a machine without CUDA the recorder re-runs the forward on the
   static buffers, which tests the buffer plumbing.
 """
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .fast_forward import CompileConfig, FastForward, _bucket
+from .group_graphs import GuardedGroups
 from .transfer import copy_into
 
 if TYPE_CHECKING:
@@ -72,6 +74,8 @@ class GraphForward(FastForward):
         self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
         self._taps = runner.taps
         self.pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
+        # compile.fuse: the captured forward runs inductor's layer groups, not the eager stack
+        self.groups = GuardedGroups(cfg.backend) if cfg.fuse else None
 
     def _call(
         self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
@@ -97,20 +101,32 @@ class GraphForward(FastForward):
         return _bucket(self.kv_buckets, kv_len) or self.kv_buckets[-1]
 
     def warm_up(self) -> None:
-        """Capture every (batch, q, key length) bucket (nothing committed is touched)."""
+        """Capture every (batch, q, key length) bucket (nothing committed is touched). Where
+        inductor's groups fail (``compile.fuse``), the eager stack is captured instead."""
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for nb in self.batch_buckets:
-                for qb in self.q_buckets:
-                    for kv in self.kv_buckets:
-                        if (nb, qb, kv) not in self.captured:
-                            self.captured[(nb, qb, kv)] = self._capture(nb, qb, kv)
+        try:
+            self._capture_all()
+        except Exception as e:
+            if self.groups is None:
+                raise
+            log.warning("fused %s forward failed (%s: %s); capturing the eager stack",
+                        self.runner.name, type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            self.groups, self.captured = None, {}
+            self._capture_all()
         log.warning(
             "captured the %s forward: %d CUDA graphs in %.1f s",
             self.runner.name,
             len(self.captured),
             time.perf_counter() - t0,
         )
+
+    def _capture_all(self) -> None:
+        with torch.inference_mode():
+            for nb in self.batch_buckets:
+                for qb in self.q_buckets:
+                    for kv in self.kv_buckets:
+                        if (nb, qb, kv) not in self.captured:
+                            self.captured[(nb, qb, kv)] = self._capture(nb, qb, kv)
 
     def _capture(self, nb: int, qb: int, kv_len: int) -> Captured:
         """Record the eager stack over slots ``[0, nb)`` at ``qb`` tokens a row, keys read up to
@@ -124,7 +140,9 @@ class GraphForward(FastForward):
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            h = runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0)
+            groups = self.groups
+            size = self.cfg.layers_per_graph if groups is not None else None
+            h = runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, groups, size)
             return h, runner.tapped
 
         if dev.type == "cuda":

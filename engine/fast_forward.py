@@ -68,6 +68,9 @@ class CompileConfig:
     # spinning beside torch's own slows every matmul on a few cores); None: inductor's default
     cpp_threads: int | None = 1
     layers_per_graph: int = 6  # decoder layers a compiled graph runs (engine/layer.layer_group)
+    # cuda-graphs only: capture inductor's compiled layer groups (kernels fused; Dynamo's guards
+    # kept, evaluated at capture only) instead of the eager stack
+    fuse: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> CompileConfig:

@@ -122,3 +122,23 @@ def compile_guardless(fn: Callable, backend: str, mode: str | None = None) -> Ca
     return torch.compile(  # type: ignore[call-overload]
         fn, backend=backend, options=options, fullgraph=True, **extra
     )
+
+
+class GuardedGroups(GroupGraphs):
+    """:class:`GroupGraphs` whose graphs keep Dynamo's guards and inductor's input checks, for
+    the graphs that engine/cuda_graphs.py captures (``compile.fuse``): a replay runs no Python,
+    so guards cost nothing there, and a call a graph does not fit recompiles instead of reading
+    out of bounds. Batch, q and key length are dynamic (a key per whether batch and q are 1)."""
+
+    def __init__(self, backend: str):
+        super().__init__(backend, None, True, False)
+        import torch._dynamo as dynamo
+
+        # the graphs of every key, structure and runner are entries of one code object (torch
+        # < 2.12 has no isolate_recompiles): room for all of them
+        for name in ("recompile_limit", "cache_size_limit"):
+            if getattr(dynamo.config, name, 0) < 64:
+                setattr(dynamo.config, name, 64)
+
+    def _compile(self) -> Callable:
+        return torch.compile(layer_group, backend=self.backend, fullgraph=True)

@@ -100,7 +100,7 @@ def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups) -> torch.Tensor:
     sh = runner.shape
     nh, kvh, hd = sh.num_heads, sh.kv_heads, sh.head_dim
     x = tiled(lambda t: rms_norm(t, w.input_norm, sh.eps), h)
-    qs, ks, vs = (t.view(t.shape[0], -1, hd) for t in tiled_n(lambda t: _qkv(t, w), x))
+    qs, ks, vs = (t.view(t.shape[0], -1, hd) for t in tiled_n(lambda t: _qkv(t, w, sh), x))
     # [tokens, heads or kv_heads, head_dim]
     if w.q_norm is not None and w.k_norm is not None:  # qwen3
         qs = tiled(lambda t: rms_norm(t, w.q_norm, sh.eps), qs)

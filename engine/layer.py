@@ -11,6 +11,7 @@ may be ragged.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama RMSNorm, as a function (in float32, scaled in the input dtype), with
-    torch's one-kernel ``F.rms_norm`` for its five float32 steps."""
+    torch's one-kernel ``F.rms_norm`` for its five float32 steps. On CUDA below float32 the
+    weight is applied inside that kernel too (one kernel instead of four; rounded once, where
+    transformers rounds the normed input and then its product with the weight)."""
+    if x.device.type == "cuda" and x.dtype != torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -72,10 +77,22 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     return y if b is None else y + b
 
 
-def _qkv(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_split(w: LayerWeights, shape: LayerShape) -> tuple[int, int, int]:
+    """The output sizes of Q, K and V in ``w.qkv`` (a 4-bit matrix carries them)."""
+    if isinstance(w.qkv, torch.Tensor):
+        kv = shape.kv_heads * shape.head_dim
+        return (shape.num_heads * shape.head_dim, kv, kv)
+    assert w.qkv is not None and w.qkv.split is not None
+    qs, ks, vs = w.qkv.split
+    return qs, ks, vs
+
+
+def _qkv(
+    x: torch.Tensor, w: LayerWeights, shape: LayerShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K and V of ``x`` ``[batch, q, hidden]``: ``[batch, q, heads or kv_heads * head_dim]``."""
-    if w.qkv is not None:  # one fused 4-bit matrix (engine/quant.py)
-        qs, ks, vs = linear(x, w.qkv).split(w.qkv.split, dim=-1)
+    if w.qkv is not None:  # one fused matrix (4-bit: engine/quant.py; dense: layer_weights.py)
+        qs, ks, vs = linear(x, w.qkv).split(qkv_split(w, shape), dim=-1)
         return qs, ks, vs
     assert w.q is not None and w.k is not None and w.v is not None
     return linear(x, w.q, w.q_bias), linear(x, w.k, w.k_bias), linear(x, w.v, w.v_bias)
@@ -85,11 +102,11 @@ def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Te
     """Queries and keys side by side ``[batch, q, (heads + kv_heads) * head_dim]`` (qwen3: after
     their per-head norms) and values ``[batch, q, kv_heads * head_dim]`` of ``x``
     ``[batch, q, hidden]``: slices of the fused 4-bit output, else Q and K concatenated."""
-    if w.qkv is not None and w.qkv.split is not None and w.q_norm is None:
+    if w.qkv is not None and w.q_norm is None:
         y = linear(x, w.qkv)  # [batch, q, q_out + k_out + v_out]
-        nv = w.qkv.split[2]
+        nv = qkv_split(w, shape)[2]
         return y[..., :-nv], y[..., -nv:]
-    qs, ks, vs = _qkv(x, w)
+    qs, ks, vs = _qkv(x, w, shape)
     if w.q_norm is not None and w.k_norm is not None:  # qwen3
         B, q, hd = x.shape[0], x.shape[1], shape.head_dim
         qs = rms_norm(qs.reshape(B, q, -1, hd), w.q_norm, shape.eps).flatten(2)
@@ -99,6 +116,9 @@ def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Te
 
 def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate and up projections of ``x`` ``[batch, q, hidden]``: ``[batch, q, intermediate]``."""
+    if isinstance(w.gate_up, torch.Tensor):  # one fused dense matrix: gate rows, then up rows
+        g, u = linear(x, w.gate_up).chunk(2, dim=-1)
+        return g, u
     if w.gate_up is not None:  # one fused 4-bit matrix
         g, u = linear(x, w.gate_up).split(w.gate_up.split, dim=-1)
         return g, u
@@ -110,9 +130,34 @@ def groups_queries(shape: LayerShape, x: torch.Tensor) -> bool:
     """Whether :func:`decoder_layer` runs grouped-query attention as :func:`grouped_sdpa` for
     activations like ``x``: on CPU below float32. torch's CPU SDPA with ``enable_gqa`` took up to
     6x longer for 1-token queries in bf16 (8 rows x 300 keys); in float32 its 1-token path is
-    the faster one (loadtest/results/bench_attention.txt). CUDA keeps SDPA's own GQA (not
-    measured there)."""
+    the faster one (loadtest/results/bench_attention.txt). CUDA keeps SDPA's own GQA: on an
+    H200 (torch 2.11, 8B shapes, one query) it ran cuDNN's kernel in 12.5 us over 256 keys and
+    16.3 over 4,096, where the grouped form took 10.6 and 84.6 (scripts/gpu_probe.py)."""
     return shape.kv_heads != shape.num_heads and x.device.type == "cpu" and x.dtype != torch.float32
+
+
+def varying_shape_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA backends of forwards whose shapes vary from call to call (prefill chunks, draft
+    catch-ups, the eager EAGLE-3 head; not the captured graphs' fixed buckets): on CUDA every
+    backend but cuDNN's. torch 2.11 tries cuDNN first for a masked SDPA on Hopper, and cuDNN
+    builds an execution plan for each new shape, reported at ~0.4 s each (sglang #4650, FunASR
+    #3704): at batch 32 on an H200 the adaptive controller's rare probe rounds, whose draft
+    catch-ups come in new shapes, cost 0.69x of plain decoding's throughput with K ~ 0. The
+    captured graphs keep cuDNN: their plans are built once, at capture (12.5 us a decode
+    step's attention, scripts/gpu_probe.py)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(backends)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as SDPA's additive float mask (0 or -inf) in
+    ``dtype``: built once a forward, where SDPA on CUDA converts a boolean mask in every layer
+    (two extra kernels a layer on an H200)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
 def grouped_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
@@ -136,7 +181,7 @@ def grouped_sdpa(
     o = F.scaled_dot_product_attention(
         qs.reshape(B, kvh, nh // kvh * q, hd), keys, vals, attn_mask=mask, scale=scale
     )
-    return o.view(B, nh, q, hd)
+    return o.reshape(B, nh, q, hd)  # a copy where the kernel's output is laid out by row
 
 
 def matmul_attention(

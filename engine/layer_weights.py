@@ -8,8 +8,10 @@ torch.compile flattens it like a tuple, so one compiled graph serves every layer
 Invariants:
 
 - Attention projections are either separate (``q``, ``k``, ``v`` set, ``qkv`` None) or one fused
-  4-bit matrix (``qkv`` set, its ``split`` the output sizes of Q, K and V; ``q``, ``k``, ``v``
-  and their biases None). The same holds for ``gate`` / ``up`` and ``gate_up``.
+  matrix (``qkv`` set; ``q``, ``k``, ``v`` and their biases None): 4-bit, its ``split`` the
+  output sizes of Q, K and V, or dense (:func:`fuse_dense`), its rows Q's, K's, V's, sized by
+  the layer's heads. The same holds for ``gate`` / ``up`` and ``gate_up`` (dense: gate's rows,
+  then up's, the same number).
 - A linear weight is a dense ``[out, in]`` tensor or a ``Q4Weight`` of that shape.
 - ``q_norm`` / ``k_norm`` (per-head RMSNorm weights ``[head_dim]``, qwen3) are both set or both
   None.
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
 class LayerWeights(NamedTuple):
     input_norm: torch.Tensor  # [hidden]
-    qkv: Q4Weight | None  # fused [q_out + 2 kv_out, hidden]
+    qkv: Weight | None  # fused [q_out + 2 kv_out, hidden]
     q: Weight | None  # [heads * head_dim, hidden]
     q_bias: torch.Tensor | None
     k: Weight | None  # [kv_heads * head_dim, hidden]
@@ -39,7 +41,7 @@ class LayerWeights(NamedTuple):
     v_bias: torch.Tensor | None
     o: Weight  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Q4Weight | None  # fused [2 intermediate, hidden]
+    gate_up: Weight | None  # fused [2 intermediate, hidden]
     gate: Weight | None  # [intermediate, hidden]
     up: Weight | None  # [intermediate, hidden]
     down: Weight  # [hidden, intermediate]
@@ -86,3 +88,37 @@ def from_layer(layer) -> LayerWeights:
         q_norm=qn.weight if qn is not None else None,
         k_norm=kn.weight if kn is not None else None,
     )
+
+
+def fuse_dense(layer) -> LayerWeights:
+    """:func:`from_layer` with Q, K and V as one dense matrix and gate and up as another (one
+    matmul each instead of three and two), when the layer has no biases and no per-head norms.
+    The module's own weights become views of the fused matrices (no second copy; the
+    transformers module computes as before), and a layer fused once is not fused again."""
+    w = from_layer(layer)
+    if any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)) or w.q_norm is not None:
+        return w
+    a, m = layer.self_attn, layer.mlp
+    qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+    gate_up = _fuse([m.gate_proj, m.up_proj])
+    return w._replace(qkv=qkv, q=None, k=None, v=None, gate_up=gate_up, gate=None, up=None)
+
+
+def _fuse(linears: list) -> torch.Tensor:
+    """The weights of ``linears`` (``nn.Linear``) stacked by rows ``[sum out, in]``, each module's
+    weight made a view of its rows; the stacked matrix kept on the first module."""
+    held = getattr(linears[0], "_specd_fused", None)
+    if held is not None and all(
+        lin.weight.data_ptr() == held[i].data_ptr() for i, lin in enumerate(linears)
+    ):
+        return held[-1]
+    with torch.no_grad():
+        fused = torch.cat([lin.weight for lin in linears])
+        views, r = [], 0
+        for lin in linears:
+            n = lin.weight.shape[0]
+            lin.weight = torch.nn.Parameter(fused[r : r + n], requires_grad=False)
+            views.append(lin.weight)
+            r += n
+    linears[0]._specd_fused = (*views, fused)
+    return fused

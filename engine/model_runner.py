@@ -19,8 +19,15 @@ import torch
 from . import invariant
 from .fast_forward import FastForward, disable
 from .kv_cache import SlotKVCache
-from .layer import config_shape, grouped_mask, groups_queries, layer_group
-from .layer_weights import LayerWeights, from_layer
+from .layer import (
+    additive_mask,
+    config_shape,
+    grouped_mask,
+    groups_queries,
+    layer_group,
+    varying_shape_attention,
+)
+from .layer_weights import LayerWeights, from_layer, fuse_dense
 from .quant import Q4Weight, q4_linear
 from .transfer import to_device
 
@@ -68,9 +75,13 @@ class ModelRunner:
         self.lm_head = model.lm_head
         self.vocab_size = self.lm_head.out_features
         self.shape, max_positions = config_shape(cfg, layers[0].input_layernorm)
-        self.weights: list[LayerWeights] = [from_layer(layer) for layer in layers]
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # on CUDA, Q/K/V and gate/up as one matrix each: fewer, larger matmuls a layer
+        fuse = self.device.type == "cuda"
+        self.weights: list[LayerWeights] = [
+            fuse_dense(layer) if fuse else from_layer(layer) for layer in layers
+        ]
         self.max_len = max_len if max_positions is None else min(max_len, max_positions)
         self.cache = SlotKVCache(
             len(layers),
@@ -139,6 +150,12 @@ class ModelRunner:
         return self.logits(h)  # [batch, vocab] or [batch, q, vocab]
 
     def _eager(
+        self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int], kv_len: int
+    ) -> torch.Tensor:
+        with varying_shape_attention(self.device):  # shapes vary: no per-shape cuDNN plans
+            return self._eager_rows(ids, slots, starts, counts, kv_len)
+
+    def _eager_rows(
         self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int], kv_len: int
     ) -> torch.Tensor:
         """The eager stack over rows in ``slots``. Keys are read as a view of consecutive slots:
@@ -228,6 +245,8 @@ class ModelRunner:
         # groups it inside, where it is fused)
         if group_fn is None and groups_queries(self.shape, h):
             mask = grouped_mask(mask, self.shape.num_heads // self.shape.kv_heads)
+        if h.device.type == "cuda":  # [batch, 1, q or group * q, kv_len], 0 or -inf
+            mask = additive_mask(mask, h.dtype)
         n = len(self.weights)
         size = group_size or n
         run = layer_group if group_fn is None else group_fn

@@ -3,7 +3,8 @@
 # with .whl (the server's wheels) and .gpu (the SmolLM2 tokenizer files) carried, and $OUT set.
 #   phases: env, tests (engine tests with SPECD_TEST_DEVICE=cuda), server (specd serve on the
 #   GPU, the official client), bench (loadtest/bench/gpu.py: Llama-3.1-8B shapes), slow (the
-#   distribution tests). PHASES="tests bench" runs some; each phase has its own time limit.
+#   distribution tests), probe (scripts/gpu_probe.py: a decode layer's kernels and time, by
+#   variant). PHASES="tests bench" runs some; each phase has its own time limit.
 set -u
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 PHASES=${PHASES:-"env tests server bench compiling slow"}
@@ -40,6 +41,11 @@ pytest_cuda() {  # name, time limit, pytest arguments...
     -p no:cacheprovider --timeout 120 "$@" >"$OUT/pytest_$name.log" 2>&1
   say "exit $?"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/pytest_$name.log" | tail -30
 }
+if has probe; then
+  say "probe: a decode layer's kernels and time (8B shapes)"
+  timeout ${T_PROBE:-150} python3 scripts/gpu_probe.py ${PROBE_ARGS:-} --json "$OUT/probe.json" >"$OUT/probe.log" 2>&1
+  say "exit $?"; grep -E "^(==|torch|  sdpa|inductor)" "$OUT/probe.log" | head -40
+fi
 if has tests; then
   say "engine tests on cuda (quick)"
   pytest_cuda quick ${T_TESTS:-100} -m "not slow and not full and not real_model" $QUICK
@@ -52,7 +58,7 @@ if has server; then
 fi
 if has bench; then
   say "bench: Llama-3.1-8B shapes"
-  timeout ${T_BENCH:-260} python3 -m loadtest.bench.gpu --json "$OUT/gpu_bench.json" >"$OUT/gpu_bench.log" 2>&1
+  timeout ${T_BENCH:-260} python3 -m loadtest.bench.gpu ${BENCH_ARGS:-} --json "$OUT/gpu_bench.json" >"$OUT/gpu_bench.log" 2>&1
   say "exit $?"; tail -60 "$OUT/gpu_bench.log"
 fi
 if has compiling; then

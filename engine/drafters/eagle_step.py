@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..group_graphs import compile_guardless
-from ..layer import LayerShape, decoder_layer, linear, rms_norm
+from ..layer import LayerShape, decoder_layer, linear, rms_norm, varying_shape_attention
 from ..layer_weights import LayerWeights
 
 if TYPE_CHECKING:
@@ -73,7 +73,8 @@ def head_forward(
     # a: the attention's input [rows, q, 2 hidden]
     cos, sin = w.cos[pos].unsqueeze(1), w.sin[pos].unsqueeze(1)  # [rows, 1, q, head_dim]
     mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, q, kv_len]
-    out = decoder_layer(g, w.layer, cos, sin, mask, kc, vc, slot_t, write_pos, None, shape, a)
+    with varying_shape_attention(g.device):  # the eager head's shapes vary (CUDA: no cuDNN)
+        out = decoder_layer(g, w.layer, cos, sin, mask, kc, vc, slot_t, write_pos, None, shape, a)
     o = out[torch.arange(out.shape[0], device=out.device), last]  # [rows, hidden]
     logits = linear(rms_norm(o, w.norm, eps), w.lm_head).float()  # [rows, draft_vocab]
     return o, logits

@@ -108,7 +108,14 @@ class Bench:
         if self.a.compile == "none":
             return
         q = list(range(1, K_MAX + 2))
-        cc = CompileConfig(enabled=True, mode=self.a.compile, batch_buckets=batches, q_buckets=q)
+        cc = CompileConfig(
+            enabled=True,
+            mode=self.a.compile,
+            batch_buckets=batches,
+            q_buckets=q,
+            fuse=bool(self.a.fuse),
+            layers_per_graph=self.a.layers_per_graph,
+        )
         for r in eng.runners():
             attach(r, cc, K_MAX)
             out[f"warm_up_s_{r.name}"] = time_call(lambda r=r: warm_up(r), self.dev)

@@ -119,6 +119,8 @@ def parse_args(argv, doc: str):
         ("reps", 20, "timed forwards per step cost"), ("sections", "0,1,2,3,4,5", ""),
         ("bw-gib", 0.0, "copy size (0: 2 GiB on CUDA, 1/8 on CPU)"),
         ("json", "loadtest/results/gpu_bench.json", ""),
+        ("fuse", 0, "1: compile.fuse (inductor's layer groups inside the CUDA graphs)"),
+        ("layers-per-graph", 8, "layers a fused group compiles"),
     ):  # fmt: skip
         ap.add_argument(f"--{name}", default=default, type=type(default), help=doc or None)
     ap.add_argument("--no-eagle", dest="eagle", action="store_false")

@@ -62,6 +62,43 @@ def test_captured_engine_equals_eager_when_sampling(models, drafter):
     assert [s.output_ids for s in e.generate(ps, params, spec)] == ref
 
 
+def test_fused_graphs_equal_eager_target_greedy(models):
+    """``compile.fuse``: the captured forward runs inductor's layer groups (guards kept): a
+    ragged batch at K = 4 and plain (decode steps padded to the one q bucket, 5) equals
+    target-only greedy through the eager engine; one compiled graph (one key: batch 8, q 5),
+    every key-length bucket captured once. (One key: each costs a compile.)"""
+    ps = prompts()
+    ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
+    e = graph_engine(models, "ngram", batch_buckets=[8], q_buckets=[5], fuse=True)
+    fast = e.target.fast
+    assert isinstance(fast, GraphForward) and fast.groups is not None
+    assert len(fast.groups.graphs) == 1 and fast.captures == len(fast.kv_buckets)
+    assert [s.output_ids for s in e.generate(ps, GREEDY, SpecParams(k=4))] == ref
+    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    assert len(fast.groups.graphs) == 1 and fast.captures == len(fast.kv_buckets)
+
+
+def test_a_failing_fused_group_captures_the_eager_stack(models, monkeypatch):
+    """``compile.fuse`` whose compiled groups fail at warm-up: the eager stack is captured
+    instead (graphs kept, output exact), not the whole fast path dropped."""
+    from engine.group_graphs import GuardedGroups
+
+    def broken(self):
+        def fail(*args):
+            raise RuntimeError("no inductor here")
+
+        return fail
+
+    monkeypatch.setattr(GuardedGroups, "_compile", broken)
+    ps = prompts(3)
+    ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
+    e = graph_engine(models, "ngram", batch_buckets=[8], q_buckets=[5], fuse=True)
+    fast = e.target.fast
+    assert isinstance(fast, GraphForward) and fast.groups is None
+    assert fast.captures >= len(fast.kv_buckets)
+    assert [s.output_ids for s in e.generate(ps, GREEDY, SpecParams(k=4))] == ref
+
+
 def test_key_length_buckets():
     assert kv_buckets(64, 257) == [64, 128, 256, 257]
     assert kv_buckets(64, 64) == [64]

@@ -5,8 +5,17 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.layer import LayerShape, config_shape, decoder_layer, linear
-from engine.layer_weights import from_layer
+from engine.layer import (
+    LayerShape,
+    additive_mask,
+    config_shape,
+    decoder_layer,
+    grouped_mask,
+    grouped_sdpa,
+    linear,
+    qkv_split,
+)
+from engine.layer_weights import from_layer, fuse_dense
 
 
 def test_config_shape_reads_the_config(tiny_llama):
@@ -60,3 +69,70 @@ def test_decoder_layer_matches_transformers(tiny_llama):
     ref = ref[0] if isinstance(ref, tuple) else ref
     assert torch.allclose(out, ref, atol=1e-5)
     assert kc[0, :, :q].abs().sum() > 0 and kc[0, :, q:].abs().sum() == 0  # K/V written in place
+
+
+def _layer_out(layer, w, shape, mask_fn=lambda m: m):
+    """``decoder_layer`` of ``w`` over 5 tokens from position 0 (one slot), and its caches."""
+    q, max_len = 5, 8
+    torch.manual_seed(1)
+    h = torch.randn(1, q, layer.input_layernorm.weight.shape[0])  # [batch, q, hidden]
+    pos = torch.arange(q)[None]  # [batch, q]
+    cos = torch.randn(1, 1, q, shape.head_dim)
+    sin = torch.randn(1, 1, q, shape.head_dim)
+    mask = (torch.arange(q)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [1, 1, q, q]
+    kc = torch.zeros(1, shape.kv_heads, max_len + 1, shape.head_dim)
+    vc = kc.clone()
+    out = decoder_layer(
+        h, w, cos, sin, mask_fn(mask), kc, vc, torch.tensor([0]), pos, 0, shape
+    )  # fmt: skip
+    return out, kc, vc
+
+
+def test_dense_fused_weights_compute_the_same_layer(tiny_llama):
+    """Q/K/V and gate/up as one dense matrix each (what a CUDA runner runs): the module's weights
+    become views of the fused rows, so the transformers module, the unfused layer and the fused
+    one all compute the same; fusing again reuses the matrices."""
+    import copy
+
+    model = copy.deepcopy(tiny_llama)
+    layer = model.model.layers[0]
+    shape, _ = config_shape(model.config, layer.input_layernorm)
+    ref, kc_ref, vc_ref = _layer_out(layer, from_layer(layer), shape)
+    a, m = layer.self_attn, layer.mlp
+    before = [t.clone() for t in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)]
+    w = fuse_dense(layer)
+    assert w.q is None and w.k is None and w.v is None and w.gate is None and w.up is None
+    assert isinstance(w.qkv, torch.Tensor) and isinstance(w.gate_up, torch.Tensor)
+    assert w.qkv.shape == (4 * 16 + 2 * 2 * 16, 64)
+    assert w.gate_up.shape == (2 * m.gate_proj.out_features, 64)
+    assert qkv_split(w, shape) == (64, 32, 32)
+    for t, old in zip((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), before):
+        assert torch.equal(t, old)  # same values, now rows of the fused matrix
+    assert a.q_proj.weight.data_ptr() == w.qkv.data_ptr()
+    assert m.up_proj.weight.data_ptr() == w.gate_up[m.gate_proj.out_features :].data_ptr()
+    out, kc, vc = _layer_out(layer, w, shape)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(kc, kc_ref, atol=1e-6) and torch.allclose(vc, vc_ref, atol=1e-6)
+    again = fuse_dense(layer)
+    assert again.qkv is w.qkv and again.gate_up is w.gate_up  # no second copy
+
+
+def test_grouped_attention_on_an_additive_mask(tiny_llama):
+    """The CUDA layer's attention: SDPA's query heads grouped by KV head, on a float mask of
+    0 / -inf built once a forward, equals SDPA's own GQA on the boolean mask."""
+    layer = tiny_llama.model.layers[0]
+    shape, _ = config_shape(tiny_llama.config, layer.input_layernorm)
+    B, q, L, hd = 2, 3, 7, shape.head_dim
+    torch.manual_seed(2)
+    qs = torch.randn(B, shape.num_heads, q, hd)
+    keys, vals = torch.randn(B, shape.kv_heads, L, hd), torch.randn(B, shape.kv_heads, L, hd)
+    pos = torch.tensor([[2, 3, 4], [4, 5, 6]])  # [batch, q]
+    mask = (torch.arange(L)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [B, 1, q, L]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=True
+    )
+    group = shape.num_heads // shape.kv_heads
+    add = additive_mask(grouped_mask(mask, group), torch.float32)
+    assert add.dtype == torch.float32 and set(add.unique().tolist()) == {0.0, float("-inf")}
+    out = grouped_sdpa(qs, keys, vals, add, hd**-0.5)
+    assert torch.allclose(out, ref, atol=1e-5)
