@@ -1,5 +1,6 @@
 """The compiled graphs of the fast path (engine/fast_forward.py), one per *graph key*, picked
-without Dynamo's guards.
+without Dynamo's guards (:class:`GroupGraphs`), or with them where the graphs are captured as
+CUDA graphs (:class:`GuardedGroups`: guards run at capture only).
 
 A graph runs :func:`engine.layer.layer_group` (a group of consecutive decoder layers) and is
 called with tensors Dynamo never saw at its compile: every group's weights and caches. Dynamo's
@@ -137,7 +138,7 @@ class GuardedGroups(GroupGraphs):
         # the graphs of every key, structure and runner are entries of one code object (torch
         # < 2.12 has no isolate_recompiles): room for all of them
         for name in ("recompile_limit", "cache_size_limit"):
-            if getattr(dynamo.config, name, 0) < 64:
+            if hasattr(dynamo.config, name) and getattr(dynamo.config, name) < 64:
                 setattr(dynamo.config, name, 64)
 
     def _compile(self) -> Callable:

@@ -101,7 +101,7 @@ def _qkv(
 def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys side by side ``[batch, q, (heads + kv_heads) * head_dim]`` (qwen3: after
     their per-head norms) and values ``[batch, q, kv_heads * head_dim]`` of ``x``
-    ``[batch, q, hidden]``: slices of the fused 4-bit output, else Q and K concatenated."""
+    ``[batch, q, hidden]``: slices of the fused matrix's output, else Q and K concatenated."""
     if w.qkv is not None and w.q_norm is None:
         y = linear(x, w.qkv)  # [batch, q, q_out + k_out + v_out]
         nv = qkv_split(w, shape)[2]
@@ -126,38 +126,61 @@ def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tens
     return linear(x, w.gate), linear(x, w.up)
 
 
+# set while a forward of varying shapes runs on CUDA (:func:`varying_shape_attention`; the
+# engine runs forwards on one thread)
+_varying_shapes = [False]
+
+
 def groups_queries(shape: LayerShape, x: torch.Tensor) -> bool:
     """Whether :func:`decoder_layer` runs grouped-query attention as :func:`grouped_sdpa` for
-    activations like ``x``: on CPU below float32. torch's CPU SDPA with ``enable_gqa`` took up to
-    6x longer for 1-token queries in bf16 (8 rows x 300 keys); in float32 its 1-token path is
-    the faster one (loadtest/results/bench_attention.txt). CUDA keeps SDPA's own GQA: on an
-    H200 (torch 2.11, 8B shapes, one query) it ran cuDNN's kernel in 12.5 us over 256 keys and
-    16.3 over 4,096, where the grouped form took 10.6 and 84.6 (scripts/gpu_probe.py)."""
-    return shape.kv_heads != shape.num_heads and x.device.type == "cpu" and x.dtype != torch.float32
+    activations like ``x``: on CPU below float32, and on CUDA inside
+    :func:`varying_shape_attention`. torch's CPU SDPA with ``enable_gqa`` took up to 6x longer
+    for 1-token queries in bf16 (8 rows x 300 keys); in float32 its 1-token path is the faster
+    one (loadtest/results/bench_attention.txt). The captured CUDA graphs keep SDPA's own GQA: on
+    an H200 (torch 2.11, 8B shapes, one query) it ran cuDNN's kernel in 12.5 us over 256 keys
+    and 16.3 over 4,096, where the grouped form took 10.6 and 84.6 (scripts/gpu_probe.py)."""
+    if shape.kv_heads == shape.num_heads:
+        return False
+    if x.device.type == "cuda":
+        return _varying_shapes[0]
+    return x.device.type == "cpu" and x.dtype != torch.float32
+
+
+class _VaryingShapes:
+    """:func:`varying_shape_attention` on CUDA: SDPA without cuDNN, query heads grouped."""
+
+    def __enter__(self) -> None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        self.kernels = sdpa_kernel(backends)
+        self.kernels.__enter__()
+        self.was, _varying_shapes[0] = _varying_shapes[0], True
+
+    def __exit__(self, *exc) -> None:
+        _varying_shapes[0] = self.was
+        self.kernels.__exit__(*exc)
 
 
 def varying_shape_attention(device: torch.device) -> contextlib.AbstractContextManager:
-    """The SDPA backends of forwards whose shapes vary from call to call (prefill chunks, draft
-    catch-ups, the eager EAGLE-3 head; not the captured graphs' fixed buckets): on CUDA every
-    backend but cuDNN's. torch 2.11 tries cuDNN first for a masked SDPA on Hopper, and cuDNN
-    builds an execution plan for each new shape, reported at ~0.4 s each (sglang #4650, FunASR
-    #3704): at batch 32 on an H200 the adaptive controller's rare probe rounds, whose draft
-    catch-ups come in new shapes, cost 0.69x of plain decoding's throughput with K ~ 0. The
-    captured graphs keep cuDNN: their plans are built once, at capture (12.5 us a decode
-    step's attention, scripts/gpu_probe.py)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(backends)
+    """Attention for forwards whose shapes vary from call to call (prefill chunks, draft
+    catch-ups, the EAGLE-3 head eager on CUDA; not the captured graphs' fixed buckets). On CUDA:
+    SDPA without cuDNN, and the query heads grouped by KV head (:func:`grouped_sdpa`: equal head
+    counts, which the memory-efficient kernel takes with a mask; with unequal ones only the
+    math kernel would be left). torch 2.11 tries cuDNN first for a masked SDPA on Hopper, and
+    cuDNN builds an execution plan for each new shape, reported at ~0.4 s each (sglang #4650,
+    FunASR #3704): at batch 32 on an H200 the adaptive controller's rare probe rounds, whose
+    draft catch-ups come in new shapes, cost 0.69x of plain decoding's throughput with K ~ 0.
+    The captured graphs keep cuDNN: their plans are built once, before capture. Elsewhere a
+    no-op."""
+    return _VaryingShapes() if device.type == "cuda" else contextlib.nullcontext()
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean attention mask (True: attend) as SDPA's additive float mask (0 or -inf) in
     ``dtype``: built once a forward, where SDPA on CUDA converts a boolean mask in every layer
     (two extra kernels a layer on an H200)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+    return torch.full(mask.shape, -torch.inf, dtype=dtype, device=mask.device).masked_fill_(mask, 0)
 
 
 def grouped_mask(mask: torch.Tensor, group: int) -> torch.Tensor:

@@ -91,17 +91,17 @@ def from_layer(layer) -> LayerWeights:
 
 
 def fuse_dense(layer) -> LayerWeights:
-    """:func:`from_layer` with Q, K and V as one dense matrix and gate and up as another (one
-    matmul each instead of three and two), when the layer has no biases and no per-head norms.
-    The module's own weights become views of the fused matrices (no second copy; the
-    transformers module computes as before), and a layer fused once is not fused again."""
+    """:func:`from_layer` with gate and up as one dense matrix, and Q, K and V as another where
+    they have no biases (qwen2's stay separate): one matmul each instead of two and three. The
+    module's own weights become views of the fused matrices (no second copy; the transformers
+    module computes as before), and a layer fused once is not fused again (an early-layers
+    draft over the target's own layers shares them)."""
     w = from_layer(layer)
-    if any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)) or w.q_norm is not None:
-        return w
     a, m = layer.self_attn, layer.mlp
-    qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
-    gate_up = _fuse([m.gate_proj, m.up_proj])
-    return w._replace(qkv=qkv, q=None, k=None, v=None, gate_up=gate_up, gate=None, up=None)
+    w = w._replace(gate_up=_fuse([m.gate_proj, m.up_proj]), gate=None, up=None)
+    if any(b is not None for b in (w.q_bias, w.k_bias, w.v_bias)):
+        return w
+    return w._replace(qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]), q=None, k=None, v=None)
 
 
 def _fuse(linears: list) -> torch.Tensor:

@@ -227,19 +227,19 @@ def histogram(outputs: Iterable, key: Callable = tuple) -> dict:
 
 
 # -- device syncs (CUDA) -------------------------------------------------------------------------
-def cuda_syncs(fn: Callable[[], object], within: str | None = None) -> list[str]:
+def cuda_syncs(fn: Callable[[], object]) -> list[str]:
     """Run ``fn`` under ``torch.cuda.set_sync_debug_mode("warn")``; returns one entry per
-    synchronizing CUDA call made with a frame under the folder ``within`` (default: the
-    ``engine`` package) on the stack: the innermost frames
-    of the project that made it. (A sync with no such frame is not that code's: on an H200,
-    torch 2.11, the first switch of the mode in a process reported one at the switch itself.)"""
+    synchronizing CUDA call made with a frame of the ``engine`` package on the stack: the
+    innermost frames of the project that made it. (A sync with no such frame is not the
+    engine's: on an H200, torch 2.11, the first switch of the mode in a process reported one at
+    the switch itself, before ``fn`` ran.)"""
     import os
     import traceback
     import warnings
 
     import engine
 
-    within = within or os.path.dirname(os.path.abspath(engine.__file__)) + os.sep
+    within = os.path.dirname(os.path.abspath(engine.__file__)) + os.sep
     sites: list[str] = []
 
     def record(message, category, filename, lineno, file=None, line=None):

@@ -48,7 +48,9 @@ class ModelDrafter(DrafterBase):
         return self.runner.cache
 
     def add(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
+        """Prefill the draft model with each new prompt; a request with speculation off never
+        drafts (its K cap is 0), so it costs no draft prefill and holds no draft slot."""
+        for s in (s for s in seqs if s.spec.enabled):
             self.cache.allocate(s.slot)
             self.runner.forward([s.prompt_ids], [s.slot])
             self.cache.commit(s.slot, len(s.prompt_ids))

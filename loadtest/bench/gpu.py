@@ -27,7 +27,7 @@ from engine.config import DrafterConfig
 from engine.drafters import ModelDrafter
 from engine.drafters.eagle import EagleDrafter
 from engine.engine import SpecEngine
-from engine.fast_forward import CompileConfig, attach, warm_up
+from engine.fast_forward import attach, warm_up
 from engine.k_control import FixedK
 from engine.model_runner import ModelRunner
 from engine.rejection import rejection_sample
@@ -107,15 +107,7 @@ class Bench:
         """The fast path (--compile mode) on every runner of ``eng``, warmed up (timed)."""
         if self.a.compile == "none":
             return
-        q = list(range(1, K_MAX + 2))
-        cc = CompileConfig(
-            enabled=True,
-            mode=self.a.compile,
-            batch_buckets=batches,
-            q_buckets=q,
-            fuse=bool(self.a.fuse),
-            layers_per_graph=self.a.layers_per_graph,
-        )
+        cc = parts.compile_config(self.a, batches, K_MAX)
         for r in eng.runners():
             attach(r, cc, K_MAX)
             out[f"warm_up_s_{r.name}"] = time_call(lambda r=r: warm_up(r), self.dev)

@@ -9,6 +9,7 @@ import statistics
 import torch
 
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
+from engine.fast_forward import CompileConfig
 from engine.timing import time_calls
 from loadtest.bench.steps import SHAPES, in_dtype
 
@@ -125,6 +126,14 @@ def parse_args(argv, doc: str):
         ap.add_argument(f"--{name}", default=default, type=type(default), help=doc or None)
     ap.add_argument("--no-eagle", dest="eagle", action="store_false")
     return ap.parse_args(argv)
+
+
+def compile_config(a, batches: list[int], k_max: int) -> CompileConfig:
+    """The fast path of the benchmark's options (``--compile``, ``--fuse``): every batch
+    bucket, q buckets 1 .. k_max + 1."""
+    return CompileConfig(enabled=True, mode=a.compile, batch_buckets=batches,
+                         q_buckets=list(range(1, k_max + 2)), fuse=bool(a.fuse),
+                         layers_per_graph=a.layers_per_graph)  # fmt: skip
 
 
 def graph_counts(runners) -> dict:

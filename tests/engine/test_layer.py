@@ -1,6 +1,7 @@
 """One decoder layer as a function (engine/layer.py): the geometry read from a transformers config
 with the documented defaults of its optional fields, and the layer against transformers' own."""
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
@@ -14,6 +15,7 @@ from engine.layer import (
     grouped_sdpa,
     linear,
     qkv_split,
+    varying_shape_attention,
 )
 from engine.layer_weights import from_layer, fuse_dense
 
@@ -110,16 +112,53 @@ def test_dense_fused_weights_compute_the_same_layer(tiny_llama):
         assert torch.equal(t, old)  # same values, now rows of the fused matrix
     assert a.q_proj.weight.data_ptr() == w.qkv.data_ptr()
     assert m.up_proj.weight.data_ptr() == w.gate_up[m.gate_proj.out_features :].data_ptr()
-    out, kc, vc = _layer_out(layer, w, shape)
+    # as on CUDA: the fused matrices with SDPA's GQA on the additive mask
+    out, kc, vc = _layer_out(layer, w, shape, lambda m: additive_mask(m, torch.float32))
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.allclose(kc, kc_ref, atol=1e-6) and torch.allclose(vc, vc_ref, atol=1e-6)
     again = fuse_dense(layer)
     assert again.qkv is w.qkv and again.gate_up is w.gate_up  # no second copy
 
 
+def test_fuse_dense_keeps_qkv_with_biases_apart():
+    """qwen2's Q/K/V carry biases: only gate and up are fused; the layer computes the same."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    cfg = Qwen2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    layer = Qwen2ForCausalLM(cfg).eval().model.layers[0]
+    shape, _ = config_shape(cfg, layer.input_layernorm)
+    ref, _, _ = _layer_out(layer, from_layer(layer), shape)
+    w = fuse_dense(layer)
+    assert w.qkv is None and w.q is not None and w.q_bias is not None
+    assert isinstance(w.gate_up, torch.Tensor) and w.gate is None and w.up is None
+    out, _, _ = _layer_out(layer, w, shape)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_varying_shape_attention_state():
+    """Inside the CUDA context forwards of varying shapes group their query heads (read by
+    ``groups_queries`` on CUDA) and SDPA runs without cuDNN; both are restored after. On CPU it
+    is a no-op."""
+    from engine import layer as layer_mod
+
+    assert isinstance(varying_shape_attention(torch.device("cpu")), contextlib.nullcontext)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with layer_mod._VaryingShapes():
+        assert layer_mod._varying_shapes[0] is True
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert layer_mod._varying_shapes[0] is False
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_grouped_attention_on_an_additive_mask(tiny_llama):
-    """The CUDA layer's attention: SDPA's query heads grouped by KV head, on a float mask of
-    0 / -inf built once a forward, equals SDPA's own GQA on the boolean mask."""
+    """Attention of forwards of varying shapes on CUDA (and of bf16 on CPU): SDPA's query heads
+    grouped by KV head, on a float mask of 0 / -inf built once a forward, equals SDPA's own GQA
+    on the boolean mask."""
     layer = tiny_llama.model.layers[0]
     shape, _ = config_shape(tiny_llama.config, layer.input_layernorm)
     B, q, L, hd = 2, 3, 7, shape.head_dim

@@ -151,3 +151,32 @@ def test_seeded_request_with_forced_k_reproduces_alone_and_in_a_batch(sharp, pro
     other_seed = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1235)
     again = engine().generate([prompt], other_seed, SpecParams(k=3))[0]
     assert again.output_ids != alone.output_ids
+
+
+# -- requests with speculation off beside drafting ones -------------------------------------------
+def test_plain_requests_cost_the_draft_model_nothing(models, prompts, plain_greedy):
+    """A request with speculation off never drafts, so the draft model neither prefills its
+    prompt nor holds a slot for it; both kinds of request, in one batch, still give the target's
+    own greedy output."""
+    e = engine_for(models, "model")
+    draft = e.drafter.runner
+    fed: list[list[int]] = []
+    forward = draft.forward
+
+    def counting(tokens, slots, *args, **kwargs):
+        fed.append(list(slots))
+        return forward(tokens, slots, *args, **kwargs)
+
+    draft.forward = counting
+    specs = [SpecParams(enabled=i % 2 == 0, k=3) for i in range(len(prompts))]
+    seqs = [e.add_request(f"r{i}", p, GREEDY, sp) for i, (p, sp) in enumerate(zip(prompts, specs))]
+    held, plain_slots = [], set()
+    while e.has_work():
+        e.step()  # (a request takes its slot at its prefill)
+        plain_slots |= {s.slot for s, sp in zip(seqs, specs) if not sp.enabled and s.slot >= 0}
+        held.append(set(range(draft.cache.num_slots)) - set(draft.cache.free_slots()))
+    assert [s.output_ids for s in seqs] == plain_greedy
+    assert len(plain_slots) == 3 and fed
+    assert not any(plain_slots & set(slots) for slots in fed)  # never fed a plain row
+    assert not any(plain_slots & h for h in held)  # nor held a draft slot for one
+    assert sum(s.drafted for s in seqs) > 0  # the others drafted
