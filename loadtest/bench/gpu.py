@@ -107,9 +107,8 @@ class Bench:
         """The fast path (--compile mode) on every runner of ``eng``, warmed up (timed)."""
         if self.a.compile == "none":
             return
-        cc = parts.compile_config(self.a, batches, K_MAX)
         for r in eng.runners():
-            attach(r, cc, K_MAX)
+            attach(r, parts.compile_config(self.a, batches, K_MAX, r.name), K_MAX)
             out[f"warm_up_s_{r.name}"] = time_call(lambda r=r: warm_up(r), self.dev)
             out[f"fast_path_{r.name}"] = r.fast is not None  # False: it fell back to eager
 

@@ -120,7 +120,7 @@ def parse_args(argv, doc: str):
         ("reps", 20, "timed forwards per step cost"), ("sections", "0,1,2,3,4,5", ""),
         ("bw-gib", 0.0, "copy size (0: 2 GiB on CUDA, 1/8 on CPU)"),
         ("json", "loadtest/results/gpu_bench.json", ""),
-        ("fuse", 0, "1: compile.fuse (inductor's layer groups inside the CUDA graphs)"),
+        ("fuse", 0, "compile.fuse (inductor's layer groups in the graphs): 1 target, 2 all"),
         ("layers-per-graph", 8, "layers a fused group compiles"),
     ):  # fmt: skip
         ap.add_argument(f"--{name}", default=default, type=type(default), help=doc or None)
@@ -128,11 +128,12 @@ def parse_args(argv, doc: str):
     return ap.parse_args(argv)
 
 
-def compile_config(a, batches: list[int], k_max: int) -> CompileConfig:
-    """The fast path of the benchmark's options (``--compile``, ``--fuse``): every batch
-    bucket, q buckets 1 .. k_max + 1."""
+def compile_config(a, batches: list[int], k_max: int, runner: str) -> CompileConfig:
+    """The fast path of the benchmark's options for ``runner`` (``--compile``; ``--fuse``: 1
+    the target's graphs fused, 2 every runner's): every batch bucket, q buckets 1 .. k_max + 1."""
+    fuse = a.fuse >= 2 or (a.fuse == 1 and runner == "target")
     return CompileConfig(enabled=True, mode=a.compile, batch_buckets=batches,
-                         q_buckets=list(range(1, k_max + 2)), fuse=bool(a.fuse),
+                         q_buckets=list(range(1, k_max + 2)), fuse=fuse,
                          layers_per_graph=a.layers_per_graph)  # fmt: skip
 
 
