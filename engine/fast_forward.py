@@ -34,6 +34,7 @@ Graphs are picked by key, without Dynamo's guards (engine/group_graphs.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -223,10 +224,11 @@ class FastForward:
 
 
 def fast_mode(cfg: CompileConfig, device: torch.device) -> str:
-    """The fast path a runner on ``device`` gets for ``cfg.mode``: on CUDA, inductor's graphs
-    are not used (on an H200 with torch 2.11 a guardless inductor graph tripped a device-side
-    index assert, which ends the process's CUDA context: every request after it would fail);
-    CUDA runs the captured eager stack, "cuda-graphs", whatever the mode asks."""
+    """The fast path a runner on ``device`` gets for ``cfg.mode``: on CUDA, inductor's guardless
+    graphs are not used (on an H200 with torch 2.11 one tripped a device-side index assert,
+    which ends the process's CUDA context: every request after it would fail); CUDA runs
+    "cuda-graphs" whatever the mode asks, and an inductor mode's graphs there capture inductor's
+    groups with their guards (``fuse``, :func:`make_fast`)."""
     if device.type == "cuda" and cfg.backend == "inductor" and cfg.mode != "cuda-graphs":
         return "cuda-graphs"
     return cfg.mode
@@ -236,7 +238,8 @@ def make_fast(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> FastForwar
     """The fast path of ``runner`` for ``cfg`` (:func:`fast_mode` picks its kind)."""
     mode = fast_mode(cfg, runner.device)
     if mode != cfg.mode:
-        log.warning("compile.mode %s on %s runs as %s", cfg.mode, runner.device, mode)
+        log.warning("compile.mode %s on %s runs as %s, fused", cfg.mode, runner.device, mode)
+        cfg = dataclasses.replace(cfg, fuse=True)  # the compiler asked for, inside the graphs
     if mode == "cuda-graphs":
         from .cuda_graphs import GraphForward
 

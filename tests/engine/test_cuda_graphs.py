@@ -130,11 +130,18 @@ def test_one_sync_per_round_through_graphs(models):  # pragma: no cover - GPU on
 
 
 def test_inductor_modes_run_as_captured_graphs_on_cuda():
-    """On CUDA every inductor mode is served by the captured eager stack (engine/fast_forward.py
-    ``fast_mode``: inductor's guardless graphs tripped a device-side assert there); CPU keeps
-    the mode it asks for, and so does the dynamo-only "eager" backend."""
+    """On CUDA every inductor mode is served by captured graphs (engine/fast_forward.py
+    ``fast_mode``: inductor's guardless graphs tripped a device-side assert there), of
+    inductor's guarded groups (``fuse``); CPU keeps the mode it asks for, and so does the
+    dynamo-only "eager" backend."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for mode in ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "cuda-graphs"):
         assert fast_mode(CompileConfig(enabled=True, mode=mode), cuda) == "cuda-graphs"
         assert fast_mode(CompileConfig(enabled=True, mode=mode), cpu) == mode
     assert fast_mode(CompileConfig(enabled=True, backend="eager"), cuda) == "default"
+
+
+@on_cuda
+def test_an_inductor_mode_on_cuda_captures_fused_groups(models):  # pragma: no cover - GPU only
+    e = graph_engine(models, "ngram", mode="default", batch_buckets=[8], q_buckets=[5])
+    assert isinstance(e.target.fast, GraphForward) and e.target.fast.groups is not None
