@@ -130,8 +130,8 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drafter = eagle = eagle_drafter(d.source, model, runner)
         if d.head_q4:
             eagle.use_q4()
-        # the head's step compiled too (engine/drafters/eagle_step.py), on CPU: on CUDA inductor's
-        # graphs are not used (engine/fast_forward.fast_mode), the head runs eagerly
+        # the head's step compiled too (engine/drafters/eagle_step.py), on CPU: its graphs are
+        # guardless, which CUDA does not run (engine/fast_forward.fast_mode); there it is eager
         if cfg.compile.enabled and runner.device.type == "cpu":
             eagle.compile(cfg.compile.backend)
         if d.ngram_fallback:

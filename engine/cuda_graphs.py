@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .model_runner import ModelRunner
 
 log = logging.getLogger("specd.cuda_graphs")
+T = TypeVar("T")
 
 
 @dataclass
@@ -148,7 +149,7 @@ class GraphForward(FastForward):
             return h, runner.tapped
 
         if dev.type == "cuda":
-            out, tapped, replay = self._record_cuda(forward)
+            (out, tapped), replay = record(forward, self.pool)
         else:  # no CUDA: replay re-runs the forward into the same outputs (tests the plumbing)
             out, tapped = forward()
 
@@ -162,21 +163,23 @@ class GraphForward(FastForward):
         log.info("captured %s forward batch=%d q=%d keys=%d", runner.name, nb, qb, kv_len)
         return Captured(ids, pos, write_pos, rows, kv_idx, out, tapped, replay)
 
-    def _record_cuda(self, forward):
-        """Warm ``forward`` up on a side stream (lazy library set-up must not be recorded),
-        then record it into a graph in the shared pool."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    forward()
-        finally:
-            torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out, tapped = forward()
-        return out, tapped, graph.replay
+
+def record(fn: Callable[[], T], pool=None) -> tuple[T, Callable[[], None]]:
+    """``fn`` (CUDA work) recorded into a ``torch.cuda.CUDAGraph`` (in memory pool ``pool``):
+    its outputs, the graph's static ones, and the graph's replay. ``fn`` runs twice first on a
+    side stream, so that lazy library set-up (cuBLAS workspaces, cuDNN plans) is not recorded."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+    finally:
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return out, graph.replay
 
 
 def kv_buckets(align: int, whole: int) -> list[int]:

@@ -55,8 +55,8 @@ log = logging.getLogger("specd.fast_forward")
 class CompileConfig:
     enabled: bool = False
     # torch.compile mode: "default" | "max-autotune-no-cudagraphs" | "reduce-overhead" (inductor
-    # under CUDA-graph trees); or "cuda-graphs": the eager stack captured as CUDA graphs, no
-    # compiler (engine/cuda_graphs.py)
+    # under CUDA-graph trees); or "cuda-graphs": the decoder stack captured as CUDA graphs
+    # (engine/cuda_graphs.py), the eager layers or with ``fuse`` inductor's groups of them
     mode: str = "default"
     backend: str = "inductor"
     dynamic: bool | None = None  # batch / q / key length dynamic; None: True except CUDA graphs

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, ".")
 import engine.layer as layer_mod
 import engine.model_runner as runner_mod
+from engine.cuda_graphs import record
 from engine.layer import layer_group
 from engine.layer_weights import from_layer
 from engine.model_runner import ModelRunner
@@ -88,21 +89,13 @@ def timed_replay(fn, dev, reps: int) -> float:
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t) / reps
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    _, replay = record(fn)  # as the engine captures its forwards
     for _ in range(3):
-        g.replay()
+        replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        g.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / reps
