@@ -7,8 +7,10 @@ FROM ${BASE_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/specd PATH=/opt/specd/bin:$PATH
+# g++: specd's 4-bit CPU kernel is compiled on first use (engine/q4_matmul.py; without a compiler
+# torch's int4 kernel serves instead)
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates g++ \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/specd
 
@@ -31,6 +33,7 @@ RUN useradd --create-home --uid 1000 specd && mkdir -p /models /cache \
  && chown specd:specd /models /cache
 USER specd
 ENV HF_HOME=/models/huggingface SPECD_CACHE_DIR=/cache HF_HUB_OFFLINE=1 \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions \
     SPECD_HOST=0.0.0.0 SPECD_PORT=8000 SPECD_DEVICE=cuda SPECD_CONFIG=/app/configs/default.yaml
 VOLUME ["/models", "/cache"]
 EXPOSE 8000

@@ -78,7 +78,7 @@ class GroupGraphs:
                     return None
                 if isinstance(v, torch.Tensor):
                     return (tuple(v.shape), v.dtype)
-                return ("q4", v.shape, v.split, tuple(v.packed.shape), v.scale_zero.dtype)
+                return ("q4", v.shape, v.split, tuple(v.packed.shape), v.kernel, v.dtype)
 
             hit = self._structures[ids] = (ws, tuple(tuple(kind(v) for v in w) for w in ws))
         return hit[1]

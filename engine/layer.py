@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from .layer_weights import LayerWeights
-from .quant import q4_linear
+from .q4_matmul import q4_linear
 
 if TYPE_CHECKING:
     from .layer_weights import Weight
@@ -73,7 +73,7 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     """``F.linear``, or the 4-bit matmul for a GGUF Q4_1 weight kept as stored (engine/quant.py)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
-    y = q4_linear(x, w.packed, w.scale_zero)
+    y = q4_linear(x, w)
     return y if b is None else y + b
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 import torch
 
 if TYPE_CHECKING:
-    from .quant import Q4Weight
+    from .q4_matmul import Q4Weight
 
     Weight: TypeAlias = torch.Tensor | Q4Weight  # a linear weight [out, in]
 

@@ -28,7 +28,7 @@ from .layer import (
     varying_shape_attention,
 )
 from .layer_weights import LayerWeights, from_layer, fuse_dense
-from .quant import Q4Weight, q4_linear
+from .q4_matmul import Q4Weight, q4_linear
 from .transfer import to_device
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -203,9 +203,7 @@ class ModelRunner:
         # model whatever the batch (a dense bf16 head can be faster on many positions, but it is
         # the head's weights rounded to bf16, a slightly different model)
         if self.head is not None:
-            return q4_linear(
-                torch.cat([h, h], dim=-1), self.head.packed, self.head.scale_zero
-            ).float()
+            return q4_linear(torch.cat([h, h], dim=-1), self.head).float()
         return self.lm_head(h).float()
 
     def padded_shape(self, batch: int, q: int) -> tuple[int, int]:

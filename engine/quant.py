@@ -1,4 +1,4 @@
-"""GGUF Q4_1 layers run as stored: 4-bit weights through torch's int4 weight-only matmul.
+"""GGUF Q4_1 layers run as stored: 4-bit weights through a 4-bit matmul (engine/q4_matmul.py).
 
 The CPU default target is a Q4_1 GGUF. Loading it through transformers dequantizes every weight to
 a dense float copy, and a decode step, which is bound by reading the weights from memory, then
@@ -6,10 +6,9 @@ streams several times more bytes than the file holds. With ``model.native_q4: tr
 projection of the decoder layers is kept 4-bit instead, in the fields of
 :class:`~engine.layer_weights.LayerWeights` (a layer's Q, K, V and its gate, up may be fused):
 
-- Q4_1 block (32 weights): ``w = d * q + m``, ``q`` in 0..15, ``d`` and ``m`` fp16.
-- torch's ``_weight_int4pack_mm_for_cpu`` computes with ``w = (q - 8) * scale + zero`` per group
-  of 32 along the input dimension, so ``scale = d`` and ``zero = m + 8 d``: the same weights (the
-  scales held in the activation dtype).
+- Q4_1 block (32 weights): ``w = d * q + m``, ``q`` in 0..15, ``d`` and ``m`` fp16; specd's
+  kernel holds d and m as stored, torch's holds ``scale = d`` and ``zero = m + 8 d`` in the
+  activation dtype (engine/q4_matmul.py).
 - transformers permutes the rows of the Q and K projections when it reads a llama GGUF (rotary
   layout); the same row permutation is applied to the 4-bit rows.
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from .layer_weights import BIAS, FUSED, check_fields
+from .q4_matmul import GROUP, pack
 
 if TYPE_CHECKING:
     import gguf
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specd.quant")
 
-GROUP = 32
 # GGUF layer tensor (blk.<i>.<name>.weight) -> the LayerWeights field it replaces
 _FIELDS = {
     "attn_q": "q",
@@ -51,59 +50,6 @@ _FIELDS = {
 check_fields(_FIELDS.values())  # a renamed LayerWeights field fails here, at import
 
 _Blocks = tuple[np.ndarray, np.ndarray, np.ndarray]  # q [out, in] 0..15; d, m [out, in/32]
-
-
-class Q4Weight:
-    """A 4-bit matrix ``[out, in]`` for ``_weight_int4pack_mm_for_cpu``: ``packed`` in torch's
-    int4 layout, ``scale_zero`` ``[in/32, out, 2]`` in the activation dtype. ``split``: for a
-    fused matrix, the output sizes of its parts in column order (e.g. Q, K, V), else None."""
-
-    def __init__(
-        self,
-        packed: torch.Tensor,
-        scale_zero: torch.Tensor,
-        shape: tuple[int, ...],
-        split: tuple[int, ...] | None = None,
-    ):
-        self.packed, self.scale_zero, self.shape = packed, scale_zero, tuple(shape)
-        self.split = split
-
-    def __repr__(self):
-        return f"Q4Weight{self.shape}" + (f" fused {self.split}" if self.split else "")
-
-
-# specd::q4_mm, an opaque op, so that inductor calls torch's kernel as it is (inductor's own
-# lowering of the aten op routes it through a kernel that re-packs the weight on every call).
-# Defined through torch.library.Library rather than torch.library.custom_op: a lower per-call
-# overhead, paid by every matmul of a step.
-_LIB = torch.library.Library("specd", "DEF")
-_LIB.define("q4_mm(Tensor x, Tensor packed, Tensor scale_zero) -> Tensor")
-
-
-def _q4_mm_cpu(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
-
-
-_LIB.impl("q4_mm", _q4_mm_cpu, "CPU")
-
-
-@torch.library.register_fake("specd::q4_mm")
-def _q4_mm_fake(x, packed, scale_zero):
-    return x.new_empty(x.shape[0], scale_zero.shape[1])
-
-
-def q4_mm(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """``x [tokens, in] @ W.T -> [tokens, out]``: torch's kernel itself when eager, the opaque
-    op inside a compiled graph."""
-    if torch.compiler.is_compiling():
-        return torch.ops.specd.q4_mm.default(x, packed, scale_zero)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, GROUP, scale_zero)
-
-
-def q4_linear(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """``x [..., in] @ W.T`` for a packed Q4 weight; returns ``[..., out]``."""
-    y = q4_mm(x.reshape(-1, x.shape[-1]), packed, scale_zero)
-    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _blocks(raw: np.ndarray, rows: int, cols: int) -> _Blocks:
@@ -156,32 +102,6 @@ def use_native_q4(source: str, runner: ModelRunner, *sharing: ModelRunner | None
     return n
 
 
-def _pack(
-    q: np.ndarray,
-    d: np.ndarray,
-    m: np.ndarray,
-    dtype: torch.dtype,
-    split: tuple[int, ...] | None = None,
-) -> Q4Weight:
-    """q ``[out, in]`` 0..15 and d, m ``[out, in/32]`` -> a packed :class:`Q4Weight`."""
-    # packed in row chunks (the packed layout is blocked by 64 rows, so chunks concatenate):
-    # the int32 copy the packer takes is 8x the nibbles, 226 MB for the LM head in one piece
-    step = 4096
-    packed = torch.cat(
-        [
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                torch.from_numpy(q[i : i + step].astype(np.int32)), 1
-            )
-            for i in range(0, q.shape[0], step)
-        ]
-    )
-    dt, mt = torch.from_numpy(d), torch.from_numpy(m)
-    scale_zero = (
-        torch.stack([dt, mt + 8 * dt], -1).transpose(0, 1).contiguous().to(dtype)
-    )  # [in/32, out, 2]
-    return Q4Weight(packed, scale_zero, q.shape, split)
-
-
 def _reader(gguf_file) -> gguf.GGUFReader:
     """A ``gguf.GGUFReader`` for a path, or the reader itself."""
     import gguf
@@ -229,11 +149,11 @@ def convert_q4_1(gguf_file, runner: ModelRunner, fuse: bool = True) -> int:
                 members = [blocks.pop((i, f)) for f in group]
                 q, d, m = (np.concatenate(x) for x in zip(*members))
                 split = tuple(b[0].shape[0] for b in members)
-                fields[fused] = _pack(q, d, m, runner.dtype, split=split)
+                fields[fused] = pack(q, d, m, runner.dtype, split=split)
                 fields.update(dict.fromkeys(group))  # computed by the fused matrix
         for field in _FIELDS.values():
             if (i, field) in blocks:
-                fields[field] = _pack(*blocks.pop((i, field)), runner.dtype)
+                fields[field] = pack(*blocks.pop((i, field)), runner.dtype)
         new.append(w._replace(**fields))  # an unknown field name raises here
     runner.weights = new
     return count
@@ -279,6 +199,6 @@ def convert_q8_0_head(gguf_file, runner: ModelRunner) -> bool:
     u = q.view(np.uint8) ^ np.uint8(0x80)  # q + 128, 0..255
     nib = np.concatenate([u >> 4, u & 15], axis=1)  # [rows, 2 cols]: high half, then low half
     scale = np.concatenate([16 * d, d], axis=1)  # [rows, 2 cols / 32]
-    offset = np.concatenate([-128 * d, np.zeros_like(d)], axis=1)  # _pack's m: w = d'·n + m
-    runner.head = _pack(nib, scale, offset, runner.dtype)
+    offset = np.concatenate([-128 * d, np.zeros_like(d)], axis=1)  # pack's m: w = d'·n + m
+    runner.head = pack(nib, scale, offset, runner.dtype)
     return True

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..layer_weights import LayerWeights
-from ..quant import GROUP, Q4Weight, _pack
+from ..q4_matmul import GROUP, Q4Weight, pack
 from .eagle_step import HeadWeights
 
 
@@ -29,7 +29,7 @@ def quantize(w: torch.Tensor, dtype: torch.dtype, split: tuple[int, ...] | None 
     d = (hi - lo) / 15
     q = torch.where(d[..., None] > 0, ((g - lo[..., None]) / d[..., None]).round(), 0.0)
     levels = q.clamp(0, 15).to(torch.uint8).reshape(out, cols).numpy()  # [out, in] 0..15
-    return _pack(levels, d.numpy().astype(np.float32), lo.numpy().astype(np.float32), dtype, split)
+    return pack(levels, d.numpy().astype(np.float32), lo.numpy().astype(np.float32), dtype, split)
 
 
 def dequantize(q: Q4Weight) -> torch.Tensor:
@@ -37,7 +37,7 @@ def dequantize(q: Q4Weight) -> torch.Tensor:
     (the kernel's own arithmetic; for tests and the agreement benchmark)."""
     from ..layer import linear
 
-    eye = torch.eye(q.shape[1], dtype=q.scale_zero.dtype)
+    eye = torch.eye(q.shape[1], dtype=q.dtype)
     return linear(eye, q).T.float()
 
 

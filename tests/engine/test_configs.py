@@ -15,7 +15,7 @@ import yaml
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters import NgramDrafter
-from engine.quant import Q4Weight
+from engine.q4_matmul import Q4Weight
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from loadtest.datasets import Prompt, encode

@@ -9,7 +9,7 @@ import torch
 from engine.drafters.eagle import EagleDrafter
 from engine.drafters.eagle_q4 import dequantize, quantize, supported
 from engine.drafters.eagle_step import head_forward
-from engine.quant import GROUP
+from engine.q4_matmul import GROUP
 from tests import helpers
 from tests.engine.test_eagle import (
     HIDDEN,

@@ -11,9 +11,8 @@ from engine.config import EngineConfig
 from engine.fast_forward import CompileConfig, attach
 from engine.loader import resolve_source
 from engine.model_runner import ModelRunner
+from engine.q4_matmul import GROUP, Q4Weight
 from engine.quant import (
-    GROUP,
-    Q4Weight,
     _blocks,
     _q8_0_blocks,
     _row_perm,

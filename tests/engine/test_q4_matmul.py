@@ -1,0 +1,91 @@
+"""4-bit matmuls (engine/q4_matmul.py): specd's AVX-512 BF16 kernel computes x @ W.T of the
+stored weights (d, m as fp16) to bf16 rounding, each output row from its input row alone
+(bitwise the same whatever else is in the batch), inside compiled graphs too; torch's kernel
+serves where specd's does not apply."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.q4_matmul import GROUP, dequantized, kernel_available, pack, q4_linear
+
+needs_kernel = pytest.mark.skipif(
+    not kernel_available(), reason="specd's 4-bit kernel needs AVX-512 BF16 and a C++ compiler"
+)
+
+
+def weights(out: int, cols: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (out, cols)).astype(np.uint8)
+    d = rng.uniform(0.001, 0.03, (out, cols // GROUP)).astype(np.float32)
+    m = rng.uniform(-0.25, 0.05, (out, cols // GROUP)).astype(np.float32)
+    return q, d, m
+
+
+@needs_kernel
+@pytest.mark.parametrize("out,cols", [(16, 32), (48, 96), (80, 64), (576, 576), (208, 1536)])
+def test_specd_kernel_computes_the_stored_weights(out, cols):
+    """Column counts that are not a multiple of the 4- or 2-block tiles, rows 1..19 (the
+    8-row tiles, and their tails)."""
+    q, d, m = weights(out, cols)
+    w = pack(q, d, m, torch.bfloat16)
+    assert w.kernel == "specd" and w.packed.shape == (out // 16, cols // GROUP, 320)
+    ref_w = dequantized(q, d, m)  # [out, cols] float32
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 19):
+        x = torch.randn(rows, cols, dtype=torch.bfloat16)
+        y = q4_linear(x, w)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+        ref = x.float() @ ref_w.T
+        # bf16 output: within a rounding step of the value (plus fp32 summation order)
+        err = (y.float() - ref).abs()
+        assert (err <= ref.abs() * 2**-8 + 1e-3 * ref.abs().max()).all(), err.max()
+
+
+@needs_kernel
+def test_specd_kernel_rows_do_not_depend_on_the_batch():
+    q, d, m = weights(96, 128, seed=1)
+    w = pack(q, d, m, torch.bfloat16)
+    x = torch.randn(21, 128, dtype=torch.bfloat16)
+    batched = q4_linear(x, w)
+    for rows in (1, 2, 3, 7, 8, 13):
+        assert torch.equal(q4_linear(x[:rows], w), batched[:rows])
+    alone = torch.cat([q4_linear(x[i : i + 1], w) for i in range(21)])
+    assert torch.equal(alone, batched)
+    assert torch.equal(q4_linear(x.view(3, 7, 128), w), batched.view(3, 7, 96))  # [..., in]
+
+
+@needs_kernel
+def test_specd_kernel_inside_a_compiled_graph():
+    """The op is opaque to inductor (its fake gives the shape): the compiled function's output
+    is the eager kernel's, bit for bit."""
+    q, d, m = weights(64, 96, seed=2)
+    w = pack(q, d, m, torch.bfloat16)
+    fn = torch.compile(lambda x: torch.relu(q4_linear(x, w)) * 2, fullgraph=True, dynamic=False)
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    assert torch.equal(fn(x), torch.relu(q4_linear(x, w)) * 2)
+
+
+def test_torch_kernel_serves_other_dtypes():
+    """float32 or float16 activations: torch's layout, scales held in the activation dtype,
+    the same matrix."""
+    q, d, m = weights(48, 64, seed=3)
+    full = torch.from_numpy(np.repeat(d, GROUP, 1) * q + np.repeat(m, GROUP, 1))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 0.01)):
+        w = pack(q, d, m, dtype)
+        assert w.kernel == "torch" and w.scale_zero is not None and w.dtype == dtype
+        x = torch.randn(5, 64, dtype=dtype)
+        ref = x.float() @ full.T
+        assert torch.allclose(q4_linear(x, w).float(), ref, atol=tol * ref.abs().max().item())
+
+
+def test_kernel_switch_off(monkeypatch):
+    """SPECD_Q4_KERNEL=0 keeps torch's kernel (checked in a fresh cache of the probe)."""
+    monkeypatch.setenv("SPECD_Q4_KERNEL", "0")
+    kernel_available.cache_clear()
+    try:
+        assert not kernel_available()
+        q, d, m = weights(32, 64)
+        assert pack(q, d, m, torch.bfloat16).kernel == "torch"
+    finally:
+        monkeypatch.undo()
+        kernel_available.cache_clear()
