@@ -31,7 +31,7 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu | cuda | auto
     trust_remote_code: bool = False
-    # GGUF Q4_1 projections kept 4-bit and run by torch's int4 matmul (CPU; engine/quant.py);
+    # GGUF Q4_1 projections kept 4-bit (CPU; engine/quant.py, matmuls engine/q4_matmul.py);
     # in float32 on CPU the dequantized dense weights run instead (no fast float32 int4 kernel)
     native_q4: bool = False
 

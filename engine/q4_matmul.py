@@ -17,10 +17,12 @@ Both kernels compute each row of the output from that row of the input alone.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +32,7 @@ log = logging.getLogger("specd.q4")
 GROUP = 32
 _SRC = Path(__file__).with_name("csrc") / "q4_avx512.cpp"
 _FLAGS = ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma"]
+_torch_only = [False]  # only_torch_kernel()
 
 
 class Q4Weight:
@@ -187,10 +190,21 @@ def pack(
     """q ``[out, in]`` 0..15 and d, m ``[out, in/32]`` (float32) -> a :class:`Q4Weight` for
     specd's kernel where it serves (bf16, ``out`` a multiple of 16), else torch's."""
     d, m = np.asarray(d, np.float32), np.asarray(m, np.float32)
-    if dtype == torch.bfloat16 and q.shape[0] % 16 == 0 and kernel_available():
+    specd = not _torch_only[0] and dtype == torch.bfloat16 and q.shape[0] % 16 == 0
+    if specd and kernel_available():
         return Q4Weight(_pack_specd(q, d, m), None, q.shape, split, dtype)
     packed, scale_zero = _pack_torch(q, d, m, dtype)
     return Q4Weight(packed, scale_zero, q.shape, split, dtype)
+
+
+@contextlib.contextmanager
+def only_torch_kernel() -> Iterator[None]:
+    """Weights packed inside are packed for torch's kernel (the side-by-side benchmark)."""
+    _torch_only[0] = True
+    try:
+        yield
+    finally:
+        _torch_only[0] = False
 
 
 def q4_mm(x: torch.Tensor, w: Q4Weight) -> torch.Tensor:

@@ -261,8 +261,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--noise", type=float, default=0.0)
     ap.add_argument("--eval-rows", type=int, default=200)
     ap.add_argument("--checkpoint-every", type=int, default=100)
-    # the target's layers 4-bit as served: torch's int4 matmul unpacks weights per 4 rows, slow
-    # on long training rows, so the features come from the same weights dequantized to bf16
+    # the target's layers 4-bit as served: the 4-bit matmuls are slower than dense bf16 ones on
+    # long training rows, so the features come from the same weights dequantized to bf16
     ap.add_argument("--native-q4", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)

@@ -3,8 +3,8 @@ draft step bound by reading its weights.
 
 A bf16 head step reads ~17 MB (the layer ~8, its 8,192-row LM head ~9.4); group-wise 4-bit
 weights (32 per group, asymmetric: ``w ~ d * q + m``, q in 0..15 rounded to nearest, as GGUF's
-Q4_1) read ~4.5 MB through the same int4 kernel as the target's Q4_1 layers
-(engine/quant.py). Q, K, V and gate, up are fused (one matmul each). The embedding and the
+Q4_1) read ~4.5 MB through the same 4-bit kernel as the target's Q4_1 layers
+(engine/q4_matmul.py). Q, K, V and gate, up are fused (one matmul each). The embedding and the
 norms stay dense.
 
 Speculation stays lossless whatever the head computes: the rejection rule only needs the q the
@@ -42,7 +42,7 @@ def dequantize(q: Q4Weight) -> torch.Tensor:
 
 
 def supported(w: HeadWeights, device: torch.device, dtype: torch.dtype) -> bool:
-    """torch's int4 CPU matmul: every input width a multiple of 32 and output height of 16,
+    """The 4-bit CPU matmuls: every input width a multiple of 32 and output height of 16,
     activations below float32 (with float32 it ran 20-60x slower than dense,
     engine/builder.py)."""
     lw = w.layer
