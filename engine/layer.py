@@ -207,24 +207,6 @@ def grouped_sdpa(
     return o.reshape(B, nh, q, hd)  # a copy where the kernel's output is laid out by row
 
 
-def matmul_attention(
-    qs: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention of one query token (batch 1) as two float32 matmuls around a masked softmax, for
-    a compiled CPU graph: inductor fuses the casts, the mask and the softmax, where torch's
-    flash kernel costs ~70 us a call whatever its size (SmolLM2's compiled 6-layer groups, batch
-    1 decode, 2 Zen 5 cores: the 30 layers in 7.5 ms against 8.9 with SDPA). Larger shapes keep
-    SDPA, faster there (batch 8 with 4 tokens: 63 ms against 89). qs ``[1, heads,
-    1, head_dim]``; keys/vals ``[1, kv_heads, kv_len, head_dim]``; mask ``[1, 1, 1 or group,
-    kv_len]``. Returns ``[1, heads, 1, head_dim]`` in the dtype of ``qs``."""
-    B, nh, q, hd = qs.shape
-    kvh = keys.shape[1]
-    qg = qs.reshape(B, kvh, nh // kvh * q, hd).float()  # a KV head's query heads as its rows
-    s = torch.matmul(qg, keys.float().transpose(-1, -2)) * scale  # [1, kv_heads, group, kv_len]
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
-    return torch.matmul(p, vals.float()).to(qs.dtype).view(B, nh, q, hd)
-
-
 def layer_group(
     h: torch.Tensor,
     ws: tuple[LayerWeights, ...],
@@ -292,9 +274,7 @@ def decoder_layer(
         vals = vc[first_slot : first_slot + B, :, :kv_len]
     else:
         keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-    if B * q == 1 and torch.compiler.is_compiling() and qs.device.type == "cpu":
-        o = matmul_attention(qs, keys, vals, mask, hd**-0.5)
-    elif groups_queries(shape, qs):
+    if groups_queries(shape, qs):
         o = grouped_sdpa(qs, keys, vals, mask, hd**-0.5)
     else:
         o = F.scaled_dot_product_attention(

@@ -3,10 +3,8 @@ graph per key serves every group, shape and key length of its class; a structura
 group gets a graph of its own; outputs, cache writes and EAGLE taps equal the eager stack."""
 
 import torch
-import torch.nn.functional as F
 
 from engine.fast_forward import CompileConfig, FastForward
-from engine.layer import matmul_attention
 from engine.model_runner import ModelRunner
 
 
@@ -71,15 +69,3 @@ def test_a_structurally_different_group_gets_its_own_graph(tiny_llama):
     e, f = feed([eager, fast], [[12]], [0])
     torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
     assert len(fast.fast.graphs.graphs) == 2
-
-
-def test_matmul_attention_equals_sdpa_with_gqa():
-    g = torch.Generator().manual_seed(1)
-    qs = torch.randn(1, 6, 1, 16, generator=g)  # 6 query heads over 2 KV heads
-    keys, vals = torch.randn(2, 1, 2, 40, 16, generator=g)
-    mask = torch.arange(40)[None, None, None, :] <= 29  # [1, 1, 1, kv_len]: 30 keys valid
-    ref = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask, enable_gqa=True)
-    torch.testing.assert_close(matmul_attention(qs, keys, vals, mask, 16**-0.5), ref)
-    half = matmul_attention(qs.bfloat16(), keys.bfloat16(), vals.bfloat16(), mask, 16**-0.5)
-    assert half.dtype == torch.bfloat16
-    torch.testing.assert_close(half.float(), ref, atol=2e-2, rtol=2e-2)
