@@ -7,7 +7,7 @@ their matmul on CPU, by one of two kernels:
   decode, and it keeps d and m as the file's fp16 values. Used for bf16 activations on a CPU
   with AVX-512 BF16 whenever it builds and passes its self-test at load.
 - **torch's** ``_weight_int4pack_mm_for_cpu``, with the scales and ``zero = m + 8 d`` held in the
-  activation dtype: everywhere else (no compiler, another CPU, float16), or with
+  activation dtype: everywhere else (no compiler, another CPU, float16 or float32), or with
   ``SPECD_Q4_KERNEL=0``.
 
 A :class:`Q4Weight` is packed for one of them at load (:func:`pack`) and every forward of the
@@ -46,8 +46,8 @@ class Q4Weight:
         packed: torch.Tensor,
         scale_zero: torch.Tensor | None,
         shape: tuple[int, ...],
+        dtype: torch.dtype,
         split: tuple[int, ...] | None = None,
-        dtype: torch.dtype = torch.bfloat16,
     ):
         self.packed, self.scale_zero, self.shape = packed, scale_zero, tuple(shape)
         self.split, self.dtype = split, dtype
@@ -192,9 +192,9 @@ def pack(
     d, m = np.asarray(d, np.float32), np.asarray(m, np.float32)
     specd = not _torch_only[0] and dtype == torch.bfloat16 and q.shape[0] % 16 == 0
     if specd and kernel_available():
-        return Q4Weight(_pack_specd(q, d, m), None, q.shape, split, dtype)
+        return Q4Weight(_pack_specd(q, d, m), None, q.shape, dtype, split)
     packed, scale_zero = _pack_torch(q, d, m, dtype)
-    return Q4Weight(packed, scale_zero, q.shape, split, dtype)
+    return Q4Weight(packed, scale_zero, q.shape, dtype, split)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .layer_weights import BIAS, FUSED, check_fields
-from .q4_matmul import GROUP, pack
+from .q4_matmul import GROUP, dequantized, pack
 
 if TYPE_CHECKING:
     import gguf
@@ -134,7 +134,7 @@ def convert_q4_1(gguf_file, runner: ModelRunner, fuse: bool = True) -> int:
             perm = _row_perm(rows, heads if parts[2] == "attn_q" else kv_heads)
             q, d, m = q[perm], d[perm], m[perm]
         dense = getattr(runner.weights[i], field)
-        deq = torch.from_numpy(np.repeat(d, GROUP, 1) * q + np.repeat(m, GROUP, 1))
+        deq = dequantized(q, d, m)  # d, m are the file's fp16 values: exact
         if tuple(dense.shape) != (rows, cols) or not _same(deq, dense):
             log.warning("GGUF tensor %s does not match the loaded weights; keeping dense", t.name)
             return 0
