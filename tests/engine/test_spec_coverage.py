@@ -180,3 +180,46 @@ def test_plain_requests_cost_the_draft_model_nothing(models, prompts, plain_gree
     assert not any(plain_slots & set(slots) for slots in fed)  # never fed a plain row
     assert not any(plain_slots & h for h in held)  # nor held a draft slot for one
     assert sum(s.drafted for s in seqs) > 0  # the others drafted
+
+
+def test_new_prompts_prefill_the_draft_model_together(models, prompts, monkeypatch):
+    """The draft model takes the prompts admitted in one step in one ragged forward (while their
+    padded size fits ADD_TOKENS), and caches the same keys and values as one forward a prompt."""
+    from engine.drafters import model as model_drafter
+
+    def first_step(add_tokens: int):
+        monkeypatch.setattr(model_drafter, "ADD_TOKENS", add_tokens)
+        e = engine_for(models, "model")
+        inner = e.drafter
+        forward, add, fed, adding = inner.runner.forward, inner.add, [], [False]
+
+        def counting(tokens, slots, *a, **kw):
+            if adding[0]:  # the slots of each draft forward inside add()
+                fed.append(list(slots))
+            return forward(tokens, slots, *a, **kw)
+
+        def adding_add(seqs):
+            adding[0] = True
+            try:
+                add(seqs)
+            finally:
+                adding[0] = False
+
+        inner.runner.forward, inner.add = counting, adding_add
+        seqs = [e.add_request(f"r{i}", p, GREEDY, SpecParams(k=3)) for i, p in enumerate(prompts)]
+        e.step()  # the first four prompts' prefill (max_prefill 4) and first round
+        cache = inner.runner.cache
+        added = [s for s in seqs if s.slot >= 0 and cache.lengths[s.slot]]
+        kv = [t[s.slot, :, : len(s.prompt_ids)] for s in added for t in cache.k + cache.v]
+        return fed, [len(s.prompt_ids) for s in added], kv
+
+    default = model_drafter.ADD_TOKENS
+    alone, lengths, kv_alone = first_step(1)
+    together, lengths2, kv_together = first_step(default)
+    assert lengths == lengths2 == [len(p) for p in prompts[:4]]
+    assert len(alone) == 4 and len(together) == 1
+    assert sorted(together[0]) == sorted(s for slots in alone for s in slots)
+    for a, b in zip(kv_alone, kv_together, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    capped, _, _ = first_step(2 * 17)  # 3 and 9 tokens together; 17 alone; 30 alone
+    assert [len(g) for g in capped] == [2, 1, 1]
