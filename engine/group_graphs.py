@@ -117,11 +117,25 @@ def compile_guardless(fn: Callable, backend: str, mode: str | None = None) -> Ca
         options.update(size_asserts=False, alignment_asserts=False)
     import inspect
 
-    extra = {}  # entries of its own (torch >= 2.12; before, guardless graphs share none anyway)
-    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+    extra = {}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:  # torch >= 2.12
         extra["isolate_recompiles"] = True
+    # Dynamo keeps its entries on the code object: without guards and without a code object of
+    # its own, a second key's call would run the first key's graph (torch 2.11 on an H100: a
+    # view of q = 1 given q = 2)
     return torch.compile(  # type: ignore[call-overload]
-        fn, backend=backend, options=options, fullgraph=True, **extra
+        own_code(fn), backend=backend, options=options, fullgraph=True, **extra
+    )
+
+
+def own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own (the same code, a new object): Dynamo's compiled
+    entries of the copy are apart from every other copy's."""
+    import types
+
+    assert isinstance(fn, types.FunctionType)
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
     )
 
 

@@ -171,9 +171,11 @@ def varying_shape_attention(device: torch.device) -> contextlib.AbstractContextM
     cuDNN builds an execution plan for each new shape, reported at ~0.4 s each (sglang #4650,
     FunASR #3704): at batch 32 on an H200 the adaptive controller's rare probe rounds, whose
     draft catch-ups come in new shapes, cost 0.69x of plain decoding's throughput with K ~ 0.
-    The captured graphs keep cuDNN: their plans are built once, before capture. Elsewhere a
-    no-op."""
-    return _VaryingShapes() if device.type == "cuda" else contextlib.nullcontext()
+    The captured graphs keep cuDNN: their plans are built once, before capture. Elsewhere, and
+    inside a compiled function (Dynamo cannot trace the kernel choice's context), a no-op."""
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        return _VaryingShapes()
+    return contextlib.nullcontext()
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

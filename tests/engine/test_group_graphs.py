@@ -5,6 +5,7 @@ group gets a graph of its own; outputs, cache writes and EAGLE taps equal the ea
 import torch
 
 from engine.fast_forward import CompileConfig, FastForward
+from engine.group_graphs import compile_guardless, own_code
 from engine.model_runner import ModelRunner
 
 
@@ -69,3 +70,22 @@ def test_a_structurally_different_group_gets_its_own_graph(tiny_llama):
     e, f = feed([eager, fast], [[12]], [0])
     torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
     assert len(fast.fast.graphs.graphs) == 2
+
+
+def test_guardless_graphs_of_one_function_keep_their_entries_apart():
+    """Dynamo keeps compiled entries on the code object; without guards, a second compile of
+    the same function runs the first's graph (shown by the control), so compile_guardless
+    compiles a copy with a code object of its own (torch 2.11 has no isolate_recompiles)."""
+
+    def scaled(x):
+        return x * x.shape[0]  # static shapes: the length is a constant of the graph
+
+    a, b = torch.arange(8.0), torch.arange(12.0)
+    skip = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+    shared = [torch.compile(scaled, backend="eager", options=skip, dynamic=False) for _ in "ab"]
+    assert torch.equal(shared[0](a), a * 8)
+    assert torch.equal(shared[1](b), b * 8)  # the control: the first graph's constant
+    own = [compile_guardless(scaled, "eager") for _ in "ab"]
+    assert torch.equal(own[0](a), a * 8) and torch.equal(own[1](b), b * 12)
+    assert own_code(scaled).__code__ is not scaled.__code__
+    assert own_code(scaled)(a).equal(scaled(a))

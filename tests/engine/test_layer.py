@@ -155,6 +155,18 @@ def test_varying_shape_attention_state():
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
+def test_varying_shape_attention_is_a_no_op_inside_a_compiled_function():
+    """Dynamo (torch 2.11) cannot trace the kernel choice's context: a function compiled with
+    the CUDA context inside (the EAGLE-3 head's forward) traces it as a no-op."""
+
+    def f(x):
+        with varying_shape_attention(torch.device("cuda")):
+            return x + 1
+
+    x = torch.arange(4.0)
+    assert torch.equal(torch.compile(f, backend="eager", fullgraph=True)(x), x + 1)
+
+
 def test_grouped_attention_on_an_additive_mask(tiny_llama):
     """Attention of forwards of varying shapes on CUDA (and of bf16 on CPU): SDPA's query heads
     grouped by KV head, on a float mask of 0 / -inf built once a forward, equals SDPA's own GQA
