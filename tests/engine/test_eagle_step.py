@@ -49,6 +49,7 @@ def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed
     pos = torch.arange(kv_len - q, kv_len).expand(rows, q).clone()
     last = torch.randint(0, q, (rows,), generator=g)
     slots = torch.arange(rows)
+    x, ids, pos, last, slots = (t.to(d.device) for t in (x, ids, pos, last, slots))
     k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
     kv = d.kv_idx[: kv_len + (-kv_len) % 16]
     o, logits = fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slots,
@@ -67,8 +68,9 @@ def test_compiled_head_equals_eager_for_every_key_and_new_shapes(compiled):
     keys = len(d.forward.graphs)
     assert keys == 6
     with torch.inference_mode():
-        d.cache.k[0].normal_(generator=torch.Generator().manual_seed(0))
-        d.cache.v[0].normal_(generator=torch.Generator().manual_seed(1))
+        for t, seed in ((d.cache.k[0], 0), (d.cache.v[0], 1)):  # (generated on the host)
+            g = torch.Generator().manual_seed(seed)
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
         for i, (rows, q, ingest, kv_len) in enumerate(
             [(1, 1, False, 7), (3, 1, False, 40), (1, 1, True, 19), (4, 5, True, 33),
              (2, 3, True, 100), (1, 6, True, 64), (4, 1, True, 2), (2, 1, False, 129)]
