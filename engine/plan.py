@@ -34,7 +34,8 @@ class RoundPlan:
     last: torch.Tensor  # [batch, 1] long: the last emitted token, first verify input
     draft_noise: torch.Tensor | None  # [batch, K, vocab] Exp(1), for sampling drafters
     uniforms: torch.Tensor  # [batch, K] acceptance draws
-    noise: torch.Tensor  # [batch, vocab] Exp(1), for the recovered / bonus sample
+    # [batch, vocab] Exp(1), for the recovered / bonus sample; None when every row is greedy
+    noise: torch.Tensor | None
 
     @property
     def num_zero(self) -> torch.Tensor:
@@ -54,9 +55,11 @@ def make_plan(
     params = [s.params for s in seqs]
     draft_noise = torch.ones(batch, kmax, vocab, device=device) if sample_drafts else None
     uniforms = torch.zeros(batch, kmax, device=device)  # [batch, K]
-    noise = torch.ones(batch, vocab, device=device)  # [batch, vocab]
+    sampling = any(not s.params.greedy for s in seqs)
+    noise = torch.ones(batch, vocab, device=device) if sampling else None  # [batch, vocab]
     shared = [b for b, s in enumerate(seqs) if not s.params.greedy and s.generator is None]
     if shared:  # rows without a seed: one batched draw per tensor from the engine's generator
+        assert noise is not None
         rows = to_device(shared, torch.long, device)
         n = len(shared)
         noise[rows] = torch.empty(n, vocab, device=device).exponential_(generator=rng)
@@ -74,6 +77,7 @@ def make_plan(
             draft_noise[b, :k].exponential_(generator=g)
         if k:
             uniforms[b, :k] = torch.rand(k, generator=g, device=device)
+        assert noise is not None
         noise[b].exponential_(generator=g)
     return RoundPlan(
         ks=ks,

@@ -15,6 +15,10 @@ in order, stop at the first rejection. A deterministic drafter (n-gram lookup) h
 so accept with probability p(d_j) and recover from p with d_j removed. Greedy rows accept while
 d_j equals the target's argmax. The output is distributed exactly as the target alone.
 
+When every row is greedy the caller passes no ``noise``: then only argmaxes are taken, and
+``target_probs`` may be any scores with the target's argmax (the round passes its logits and
+skips the softmax).
+
 Randomness comes in as tensors (``uniforms``, ``noise``) drawn by the caller from each request's
 own generator, so this function is deterministic and testable. A categorical sample is taken as an
 exponential race: argmax_i(w_i / E_i) with E_i ~ Exp(1) picks i with probability w_i / sum(w).
@@ -33,13 +37,20 @@ def rejection_sample(
     | None,  # [batch, K, vocab], or None for a one-hot (deterministic) drafter
     greedy: torch.Tensor,  # [batch] bool
     uniforms: torch.Tensor,  # [batch, K] in [0, 1)
-    noise: torch.Tensor,  # [batch, vocab] Exp(1) draws for the recovered/bonus sample
+    noise: torch.Tensor | None,  # [batch, vocab] Exp(1) draws for the recovered/bonus sample;
+    # None: every row is greedy
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(num_accepted [batch], next_token [batch])``; row b emits
     ``draft_tokens[b, :num_accepted[b]]`` followed by ``next_token[b]``."""
     batch, k1, _ = target_probs.shape
     k = k1 - 1
     rows = torch.arange(batch, device=target_probs.device)
+    if noise is None:  # every row greedy: accept while d_j is the argmax, then emit the argmax
+        top = target_probs.argmax(-1)  # [batch, K+1]
+        valid = torch.arange(k, device=num_draft.device)[None, :] < num_draft[:, None]
+        accept = (draft_tokens == top[:, :k]) & valid  # [batch, K]
+        num_accepted = accept.long().cumprod(-1).sum(-1)  # [batch]
+        return num_accepted, top[rows, num_accepted]
     if k > 0:
         valid = torch.arange(k, device=num_draft.device)[None, :] < num_draft[:, None]  # [batch, K]
         p_tok = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, K]

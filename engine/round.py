@@ -95,7 +95,8 @@ class Speculator:
             starts = [s.num_tokens - 1 for s in seqs]
             self.drafter.observe(seqs, self.target.tapped, starts, counts)
         logits = self._process(logits, seqs, drafts, num_draft)  # [batch, K+1, vocab]
-        probs = self._probs(logits, plan)  # [batch, K+1, vocab]
+        top_n = self._top_n(seqs)
+        probs = self._probs(logits, plan, top_n)  # [batch, K+1, vocab]
         clock.mark()
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync
@@ -104,7 +105,7 @@ class Speculator:
         num_acc, next_tok = self.accept(
             probs, drafts, num_t, draft_probs, plan.greedy, uniforms, plan.noise
         )
-        rows = to_host(probs, drafts, num_acc, next_tok, self._top_n(seqs))
+        rows = to_host(probs, drafts, num_acc, next_tok, top_n)
         t2 = time.perf_counter()
         draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
         # 5. commit / rollback
@@ -140,11 +141,12 @@ class Speculator:
         plan = self._plan(seqs, [0] * len(seqs))
         empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
         logits = self._process(logits[:, None], seqs, empty, [0] * len(seqs))  # [new, 1, vocab]
-        probs = self._probs(logits, plan)
+        top_n = self._top_n(seqs)
+        probs = self._probs(logits, plan, top_n)
         num_acc, next_tok = rejection_sample(
             probs, empty, plan.num_zero, None, plan.greedy, plan.uniforms, plan.noise
         )
-        rows = to_host(probs, empty, num_acc, next_tok, self._top_n(seqs))  # the one sync
+        rows = to_host(probs, empty, num_acc, next_tok, top_n)  # the one sync
         outputs = []
         for s, row in zip(seqs, rows):
             s.target_passes += 1
@@ -183,7 +185,11 @@ class Speculator:
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, plan: RoundPlan) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, plan: RoundPlan, top_n: int | None) -> torch.Tensor:
+        """The processed target's probabilities; when every row is greedy and none asked for
+        logprobs, the logits themselves (the rule takes only their argmax: rejection.py)."""
+        if plan.noise is None and top_n is None:
+            return logits
         return logits_to_probs(logits, plan.temperature, plan.top_k, plan.top_p, plan.filter_rows)
 
     @staticmethod

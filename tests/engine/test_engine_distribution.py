@@ -75,7 +75,10 @@ def joint(models):
 
 # -- deliberately wrong acceptance rules (rejection_sample's signature) --------------------------
 def _sample(p, greedy, noise):
-    """The engine's categorical sample (an exponential race), argmax for greedy rows."""
+    """The engine's categorical sample (an exponential race), argmax for greedy rows (no noise:
+    every row greedy, and ``p`` may be the logits)."""
+    if noise is None:
+        return p.argmax(-1)
     return torch.where(greedy, p.argmax(-1), (p / noise).argmax(-1))
 
 

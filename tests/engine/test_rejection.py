@@ -31,6 +31,27 @@ def run_greedy(p, drafts, num):
     )
 
 
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_all_greedy_rule_on_logits_equals_the_rule_on_probs(k):
+    """With no noise (every row greedy) the rule takes argmaxes only, so the round may pass its
+    logits and skip the softmax: the same accepted counts and tokens as on the probabilities,
+    for drafts that match the argmax for a while and then not, ragged rows included."""
+    g = torch.Generator().manual_seed(k)
+    B, V = 6, 50
+    logits = torch.randn(B, k + 1, V, generator=g) * 3
+    drafts = logits[:, :k].argmax(-1)  # [B, K] every draft the argmax ...
+    for b in range(B):  # ... until row b's own break point (b > K: all accepted)
+        if b < k:
+            drafts[b, b] = (drafts[b, b] + 1) % V
+    num = torch.tensor([min(k, n) for n in (k, k, 1, 0, k, 2)])
+    args = (drafts, num, None, torch.ones(B, dtype=torch.bool), torch.zeros(B, k))
+    ref = rejection_sample(torch.softmax(logits, -1), *args, torch.ones(B, V))
+    got = rejection_sample(logits, *args, None)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    expect = [min(b, int(n)) if b < k else int(n) for b, n in enumerate(num)]
+    assert got[0].tolist() == expect
+
+
 def test_greedy_perfect_match_takes_bonus():
     p = onehot_probs([[3, 4, 5, 6]])
     a, t = run_greedy(p, torch.tensor([[3, 4, 5]]), [3])
