@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine.drafters.eagle import CATCH_UP, EagleDrafter
+from engine.drafters.eagle import WINDOW, EagleDrafter
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
 from engine.engine import SpecEngine
 from engine.k_control import FixedK
@@ -185,15 +185,19 @@ def test_drafts_line_up_with_the_target():
     assert eagle.drafter_failures == 0
 
 
-def fresh_cache(drafter: EagleDrafter, target, seq) -> torch.Tensor:
+def fresh_cache(drafter: EagleDrafter, target, seq, skip: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """The head's K of positions [0, N - 1) computed from scratch: the target's features of the
-    whole sequence (one prefill), taken in by a new drafter in one forward."""
+    whole sequence (one prefill), taken in by a new drafter in one forward. ``skip`` (at, n):
+    the n positions from ``at`` left out, the head's positions consecutive across the gap."""
     ids = seq.token_array().tolist()
     runner = ModelRunner(target, num_slots=1, max_len=256)
     runner.taps = drafter.taps
     runner.cache.allocate(0)
     runner.forward([ids[:-1]], [0])
     feats = runner.tapped[0]  # [N - 1, 3 hidden]
+    at, n = skip
+    feats = torch.cat([feats[:at], feats[at + n :]])  # position p pairs with token p + 1:
+    ids = ids[: at + 1] + ids[at + n + 1 :]  # the tokens after the kept positions, in order
     fresh = EagleDrafter(drafter.head, drafter.embed, 1, 256, drafter.vocab_size)
     fresh.cache.allocate(0)
     fresh.pending[0], fresh.pending_n[0], fresh.real[0] = [feats], len(feats), 0
@@ -202,7 +206,7 @@ def fresh_cache(drafter: EagleDrafter, target, seq) -> torch.Tensor:
         slot = 0
 
         def token_array(self):
-            return seq.token_array()
+            return torch.tensor(ids)
 
     fresh._ingest([Row()], [len(feats)])  # type: ignore[list-item]
     return fresh.cache.k[0][0, :, : len(feats)]
@@ -212,8 +216,7 @@ def fresh_cache(drafter: EagleDrafter, target, seq) -> torch.Tensor:
 def test_head_cache_equals_a_fresh_take_in(target, case):
     """After every round the head's real positions equal a fresh take-in of the target's
     features of the whole sequence, and pending + real covers exactly N - 1 positions; rounds
-    at K = 0 (``plain_rounds``) leave fewer than CATCH_UP positions pending (commit takes them
-    in)."""
+    at K = 0 (``plain_rounds``) keep at most 2 WINDOW positions pending (older ones skipped)."""
     head = random_head(6)
     engine = eagle_engine(target, head, k=3)
     d = engine.drafter
@@ -238,14 +241,61 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
         for s in seqs:
             if s.slot < 0 or s.slot not in d.real or s.num_tokens < 2:
                 continue
-            real = d.real[s.slot]
-            assert real + d.pending_n[s.slot] == s.num_tokens - 1
-            assert d.pending_n[s.slot] < CATCH_UP
+            real, skipped = d.real[s.slot], d.skipped[s.slot]
+            assert skipped + real + d.pending_n[s.slot] == s.num_tokens - 1
+            assert d.pending_n[s.slot] <= 2 * WINDOW and (skipped == 0 or case == "plain_rounds")
             ours = d.cache.k[0][s.slot, :, :real]
             ref = fresh_cache(d, target, s)[:, :real]
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked > 10
+
+
+class PlainThenK(FixedK):
+    """K = 0 for the first ``plain`` rounds, then K: a stretch at K = 0 past 2 WINDOW."""
+
+    def __init__(self, plain: int, k: int):
+        super().__init__(k)
+        self.plain = plain
+
+    def k_for(self, seq, cap):
+        return 0 if self.plain > 0 else super().k_for(seq, cap)
+
+    def end_round(self, batch, width, steps, rest_s, draft_s):
+        self.plain -= 1
+
+
+def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target):
+    """Rows at K = 0 for more than 2 WINDOW rounds take nothing in: all but the last WINDOW
+    positions are skipped. Drafting again, the head takes in the rest right after its real positions
+    (its cache then equals a fresh take-in of the sequence without the skipped stretch), and
+    greedy output equals plain decoding's."""
+    head, g = random_head(7), SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ps = prompts(3, seed=5)
+    refs = [helpers.engine_for(target, None, slots=4).generate([p], g)[0].output_ids for p in ps]
+    engine = helpers.engine_for(target, "eagle3", 4, max_len=256, head=head)
+    engine.speculator.controller = PlainThenK(2 * WINDOW + 12, 3)
+    d = engine.drafter
+    assert isinstance(d, EagleDrafter)
+    ingested: list[int] = []
+    ingest = d._ingest
+    d._ingest = lambda seqs, counts: ingested.append(sum(counts)) or ingest(seqs, counts)
+    seqs = [engine.add_request(str(i), p, g, SpecParams()) for i, p in enumerate(ps)]
+    engine.step()  # the prompts (their features taken in by add) and the first round
+    added = len(ingested)
+    for _ in range(2 * WINDOW + 10):  # plain rounds: nothing taken in, the oldest skipped
+        engine.step()
+    assert len(ingested) == added
+    assert all(d.skipped[s.slot] > 0 and d.pending_n[s.slot] <= 2 * WINDOW for s in seqs)
+    while engine.has_work():
+        engine.step()
+        for s in (s for s in seqs if s.slot >= 0 and s.slot in d.real):
+            real, skipped = d.real[s.slot], d.skipped[s.slot]
+            assert skipped + real + d.pending_n[s.slot] == s.num_tokens - 1
+            ref = fresh_cache(d, target, s, (len(s.prompt_ids) - 1, skipped))[:, :real]
+            torch.testing.assert_close(d.cache.k[0][s.slot, :, :real], ref, atol=1e-4, rtol=1e-4)
+    assert [s.output_ids for s in seqs] == refs
+    assert sum(s.drafted for s in seqs) > 0 and engine.drafter_failures == 0
 
 
 def draws(engine, prompt, temp, n=4000, max_tokens=4, k=2) -> dict[tuple[int, ...], int]:
