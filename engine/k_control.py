@@ -93,6 +93,11 @@ class KController:
         """The row's K for this round, 0 <= K <= ``cap``."""
         raise NotImplementedError
 
+    def expects_drafts(self) -> bool:
+        """Whether rows are likely to draft soon (False: a drafter may postpone what only
+        drafting needs, drafters/base.py ``add``)."""
+        return True
+
     def observe(self, seq: Sequence, k: int, stats: RoundStats, next_cap: int | None) -> None:
         """``next_cap``: the row's cap for the next round, None when it just finished."""
 
@@ -121,6 +126,9 @@ class FixedK(KController):
     def k_for(self, seq, cap):
         pinned = pinned_k(seq, cap)
         return min(self.k, cap) if pinned is None else pinned
+
+    def expects_drafts(self):
+        return self.k > 0
 
 
 class HeuristicK(KController):
@@ -191,6 +199,9 @@ class AdaptiveK(KController):
             self._k_next = self._decide()
             self._reset_sums()
         return min(self._k_next, cap)
+
+    def expects_drafts(self):
+        return self._k_next is None or self._k_next > 0  # K* of the next round
 
     def observe(self, seq, k, stats, next_cap):
         st = seq.kstate

@@ -137,7 +137,7 @@ class Speculator:
     def first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Sample each new sequence's first token from its prefill's last logits [new, vocab]."""
         if self.drafter is not None:
-            self.drafter.add(seqs)
+            self.drafter.add(seqs, lazy=not self.controller.expects_drafts())
         plan = self._plan(seqs, [0] * len(seqs))
         empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
         logits = self._process(logits[:, None], seqs, empty, [0] * len(seqs))  # [new, 1, vocab]

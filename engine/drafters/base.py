@@ -62,8 +62,9 @@ class Drafter(Protocol):
         included: ``commit`` drops them)."""
         ...
 
-    def add(self, seqs: list[Sequence]) -> None:
-        """New sequences whose target prefill just ran."""
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
+        """New sequences whose target prefill just ran. ``lazy``: the K controller expects no
+        draft soon (``KController.expects_drafts``): work that only drafting needs may wait."""
         ...
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
@@ -105,7 +106,7 @@ class DrafterBase:
     ) -> None:
         return None
 
-    def add(self, seqs: list[Sequence]) -> None:
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
         return None
 
     def commit(self, seqs: list[Sequence]) -> None:

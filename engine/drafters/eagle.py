@@ -10,7 +10,8 @@ Bookkeeping (N = the sequence's token count; the target has computed features fo
 ``[0, N - 1)`` plus the verified ones):
   * ``observe`` (after every target forward: prefill chunks, verifies) appends the features of
     the positions that forward computed, ``[start, start + count)``, to ``pending``.
-  * ``add`` (prompt prefilled) takes in positions ``[0, P - 1)`` of a prompt of P tokens.
+  * ``add`` (prompt prefilled) takes in positions ``[0, P - 1)`` of a prompt of P tokens
+    (``lazy``, no draft expected soon: leaves them pending, for commit to skip).
   * ``propose`` first takes in every pending position p, paired with t_{p+1} (one ragged
     forward; its last output gives d_1), then drafts d_2..d_K by feeding its own output and
     the previous draft at the next position. d_K is never fed.
@@ -104,12 +105,13 @@ class EagleDrafter(DrafterBase):
             self.pending[s.slot].append(hidden[b, :n])
             self.pending_n[s.slot] += n
 
-    def add(self, seqs: list[Sequence]) -> None:
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
         rows = [s for s in seqs if s.spec.enabled]
         for s in rows:
             self.cache.allocate(s.slot)
             if self.pending_n.get(s.slot) != len(s.prompt_ids):
                 raise ValueError("EAGLE head: the prompt's features are missing")
+        rows = [s for s in rows if not lazy or s.spec.k]  # lazy: pending, unless K is fixed
         take = [len(s.prompt_ids) - 1 for s in rows]
         if any(take):
             self._ingest([s for s, n in zip(rows, take) if n], [n for n in take if n])
@@ -149,8 +151,7 @@ class EagleDrafter(DrafterBase):
 
     # -- compiled path ------------------------------------------------------------------------
     def compile(self, backend: str = "inductor") -> None:
-        """Run the head through compiled graphs without guards (engine/drafters/eagle_step.py);
-        :meth:`warm_up` compiles them. A graph's failure drops back to the eager head."""
+        """Compiled graphs without guards (eagle_step.py), compiled by :meth:`warm_up`."""
         self.forward = HeadGraphs(backend)
 
     def warm_up(self) -> None:
@@ -159,11 +160,10 @@ class EagleDrafter(DrafterBase):
         if not isinstance(self.forward, HeadGraphs):
             return
         t0 = time.perf_counter()
-        taps = self.head.fc.in_features
         with torch.inference_mode():
             for rows in (1, 2):
                 for q, ingest in ((1, True), (3, True), (1, False)):
-                    width = taps if ingest else self.head.config.hidden_size
+                    width = self.head.fc.in_features if ingest else self.head.config.hidden_size
                     x = torch.zeros(rows, q, width, dtype=self.dtype, device=self.device)
                     ids = torch.zeros(rows, q, dtype=torch.long, device=self.device)
                     scratch = torch.full((rows, q), self.cache.scratch_pos, device=self.device)

@@ -28,8 +28,8 @@ class GuardedDrafter:
         self.inner = inner
         self.failures = 0  # faults so far (each fell back to K = 0 for its rows)
 
-    def add(self, seqs: list[Sequence]) -> None:
-        self._guard("add", seqs, lambda: self.inner.add(seqs))
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
+        self._guard("add", seqs, lambda: self.inner.add(seqs, lazy))
 
     def remove(self, seq: Sequence) -> None:
         self._guard("remove", [seq], lambda: self.inner.remove(seq))

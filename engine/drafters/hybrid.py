@@ -41,8 +41,8 @@ class HybridDrafter(DrafterBase):
     def observe(self, seqs, hidden, starts, counts) -> None:
         self.eagle.observe(seqs, hidden, starts, counts)
 
-    def add(self, seqs: list[Sequence]) -> None:
-        self.eagle.add(seqs)
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
+        self.eagle.add(seqs, lazy)
 
     def fork(self, src: Sequence, dst: Sequence) -> None:
         self.eagle.fork(src, dst)

@@ -49,7 +49,7 @@ class ModelDrafter(DrafterBase):
     def cache(self):
         return self.runner.cache
 
-    def add(self, seqs: list[Sequence]) -> None:
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
         """Prefill the draft model with the new prompts, several to one ragged forward while
         their padded size fits ``ADD_TOKENS`` (one eager forward costs about the same for 1 or
         4 short prompts on a GPU); a request with speculation off never drafts (its K cap is 0),

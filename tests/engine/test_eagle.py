@@ -252,37 +252,44 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
 
 
 class PlainThenK(FixedK):
-    """K = 0 for the first ``plain`` rounds, then K: a stretch at K = 0 past 2 WINDOW."""
+    """K = 0 for the first ``plain`` rounds, then K: a stretch at K = 0 past 2 WINDOW. It
+    expects drafts from the start (``eager``) or only once they come."""
 
-    def __init__(self, plain: int, k: int):
+    def __init__(self, plain: int, k: int, eager: bool):
         super().__init__(k)
-        self.plain = plain
+        self.plain, self.eager = plain, eager
 
     def k_for(self, seq, cap):
         return 0 if self.plain > 0 else super().k_for(seq, cap)
+
+    def expects_drafts(self):
+        return self.eager or self.plain <= 0
 
     def end_round(self, batch, width, steps, rest_s, draft_s):
         self.plain -= 1
 
 
-def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target):
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target, eager):
     """Rows at K = 0 for more than 2 WINDOW rounds take nothing in: all but the last WINDOW
-    positions are skipped. Drafting again, the head takes in the rest right after its real positions
-    (its cache then equals a fresh take-in of the sequence without the skipped stretch), and
-    greedy output equals plain decoding's."""
+    positions are skipped (the prompt's too when no draft was expected at admission: ``lazy``).
+    Drafting again, the head takes in the rest right after its real positions (its cache then
+    equals a fresh take-in of the sequence without the skipped stretch), and greedy output
+    equals plain decoding's."""
     head, g = random_head(7), SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     ps = prompts(3, seed=5)
     refs = [helpers.engine_for(target, None, slots=4).generate([p], g)[0].output_ids for p in ps]
     engine = helpers.engine_for(target, "eagle3", 4, max_len=256, head=head)
-    engine.speculator.controller = PlainThenK(2 * WINDOW + 12, 3)
+    engine.speculator.controller = PlainThenK(2 * WINDOW + 12, 3, eager)
     d = engine.drafter
     assert isinstance(d, EagleDrafter)
     ingested: list[int] = []
     ingest = d._ingest
     d._ingest = lambda seqs, counts: ingested.append(sum(counts)) or ingest(seqs, counts)
     seqs = [engine.add_request(str(i), p, g, SpecParams()) for i, p in enumerate(ps)]
-    engine.step()  # the prompts (their features taken in by add) and the first round
+    engine.step()  # the prompts (their features taken in by add unless lazy), the first round
     added = len(ingested)
+    assert added == (1 if eager else 0)
     for _ in range(2 * WINDOW + 10):  # plain rounds: nothing taken in, the oldest skipped
         engine.step()
     assert len(ingested) == added
@@ -292,7 +299,8 @@ def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target):
         for s in (s for s in seqs if s.slot >= 0 and s.slot in d.real):
             real, skipped = d.real[s.slot], d.skipped[s.slot]
             assert skipped + real + d.pending_n[s.slot] == s.num_tokens - 1
-            ref = fresh_cache(d, target, s, (len(s.prompt_ids) - 1, skipped))[:, :real]
+            at = len(s.prompt_ids) - 1 if eager else 0  # where the skipped stretch starts
+            ref = fresh_cache(d, target, s, (at, skipped))[:, :real]
             torch.testing.assert_close(d.cache.k[0][s.slot, :, :real], ref, atol=1e-4, rtol=1e-4)
     assert [s.output_ids for s in seqs] == refs
     assert sum(s.drafted for s in seqs) > 0 and engine.drafter_failures == 0

@@ -1,5 +1,7 @@
 """The K controllers on synthetic acceptance streams and synthetic round costs (no model)."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -95,6 +97,25 @@ def test_cpu_linear_cost_speculates_only_when_it_pays():
     ctrl = controller(CPU_LINEAR)
     lo = simulate(ctrl, [0.3] * 100, CPU_LINEAR)
     assert mostly_zero(lo[30:], ctrl)
+
+
+def test_expects_drafts_follows_the_next_rounds_k():
+    """Whether rows are likely to draft soon (a drafter defers prompt work when not): the
+    adaptive rule until it decided, then whether its K* for the next round is above 0."""
+    ctrl = controller(CHEAP_VERIFY)
+    assert ctrl.expects_drafts()  # nothing decided yet
+    ks = simulate(ctrl, [0.99] * 30, CHEAP_VERIFY)
+    assert ks[-1] > 0 and ctrl.expects_drafts()
+    ctrl = controller(CPU_LINEAR)
+    simulate(ctrl, [0.01] * 60, CPU_LINEAR)  # K* = 0 by now, a probe round now and then
+    seen = []
+    for _ in range(40):
+        k = simulate(ctrl, [0.01], CPU_LINEAR)[0]
+        seen.append((k, ctrl.expects_drafts()))
+    assert {e for _, e in seen} == {True, False}  # False after most rounds, True before a probe
+    assert all(prev_e == (k > 0) for (_, prev_e), (k, _) in itertools.pairwise(seen))
+    assert FixedK(2).expects_drafts() and not FixedK(0).expects_drafts()
+    assert HeuristicK(1, 4).expects_drafts()
 
 
 def test_follows_a_change_of_alpha_within_bounded_rounds():

@@ -198,10 +198,10 @@ def test_new_prompts_prefill_the_draft_model_together(models, prompts, monkeypat
                 fed.append(list(slots))
             return forward(tokens, slots, *a, **kw)
 
-        def adding_add(seqs):
+        def adding_add(seqs, lazy=False):
             adding[0] = True
             try:
-                add(seqs)
+                add(seqs, lazy)
             finally:
                 adding[0] = False
 
