@@ -4,7 +4,7 @@ Sections (each guarded: a failure prints its traceback and the next one runs; th
 results so far is rewritten after every section, so a kill keeps what finished):
   0 device facts and measured memory bandwidth      3 engine plain decode, batch 1
   1 models (random weights) + engine, compile       4 synthetic acceptance vs the bound, batch 1
-  2 step costs at batch 1 on a filled cache         5 batches: tok/s and p95 ITL, K off/4/adaptive
+  2 step costs at batch 1 on a filled cache         5 batches: tok/s, ITL, phases; K off/4/adaptive
 Random weights and synthetic acceptance (loadtest/bench/synthetic.py): outputs are not the
 target's; the figures are the engine's speed at a given acceptance rate. A GPU run:
 ``python -m loadtest.bench.gpu`` (llama-8b, llama-1b draft, CUDA graphs); a CPU check of the
@@ -229,11 +229,13 @@ class Bench:
             self.nreq += 1
             seqs.append(eng.add_request(f"r{self.nreq}", self.prompt(100 + i), params, spec))
         last: dict[str, float] = {}
-        itl, ks = [], []
+        itl, ks, ph = [], [], np.zeros(5)  # ph: steps, ms of step / draft / verify / accept
         t0 = time.perf_counter()
         while eng.has_work():
-            outs = eng.step()
-            now = time.perf_counter()
+            t, outs = time.perf_counter(), eng.step()
+            now, st = time.perf_counter(), next((o.stats for o in outs if o.stats), None)
+            if st is not None:  # a round's phases (CUDA events on a GPU: engine/timing.py)
+                ph += [1, now - t, st.draft_s, st.verify_s, st.accept_s]
             for o in outs:
                 n = len(o.new_token_ids)
                 ks += [o.stats.k] if o.stats is not None else []
@@ -245,6 +247,8 @@ class Bench:
         p95 = float(np.percentile(itl, 95)) * 1e3 if itl else None
         out = dict(batch=batch, tok_s=tokens / wall, p95_itl_ms=p95, wall_s=wall)
         passes = sum(s.target_passes for s in seqs)
+        names = ("step_ms", "draft_ms", "verify_ms", "accept_ms")
+        out |= dict(zip(names, ph[1:] / max(ph[0], 1) * 1e3))  # means over the rounds
         return out | dict(tok_per_pass=tokens / passes, mean_k=statistics.mean(ks or [0]))
 
     def s5(self) -> None:

@@ -92,7 +92,7 @@ def report(r: dict, a, dev) -> None:
     if "s5" in r:
         table(f"[5] batches, synthetic alpha = {r['s5']['alpha']}, draft {a.draft}",
               r["s5"]["rows"], "batch:d mode:s tok_s:.1f p95_itl_ms:.2f tok_per_pass:.2f "
-              "mean_k:.2f")  # fmt: skip
+              "mean_k:.2f step_ms:.2f draft_ms:.2f verify_ms:.2f accept_ms:.2f")  # fmt: skip
     best: dict = {}
     for x in rows:
         if x["alpha"] in (0.8, 0.9):
