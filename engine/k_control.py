@@ -26,10 +26,10 @@ by itself as the batch grows, only where the measured costs say so.
 When the decision is made
 -------------------------
 At the end of round r, from what round r measured: the commit loop hands each row to
-:meth:`AdaptiveK.observe`, which updates α_i, m_i and adds E(α_i, min(w, cap_i)) for every w to a
-per-batch sum; :meth:`AdaptiveK.end_round` feeds the round's times to the cost model and picks K*
-for round r + 1. A request that joins at r + 1 takes that K*. Until the cost model is calibrated,
-K* = 0.
+:meth:`AdaptiveK.observe`, which updates α_i, m_i and records them with cap_i;
+:meth:`AdaptiveK.end_round` feeds the round's times to the cost model, sums E(α_i, min(w, cap_i))
+over the rows for every w (one array operation) and picks K* for round r + 1. A request that
+joins at r + 1 takes that K*. Until the cost model is calibrated, K* = 0.
 
 Probing
 -------
@@ -66,11 +66,11 @@ if TYPE_CHECKING:
     from .sequence import RoundStats, Sequence
 
 
-def expected_tokens(alpha: float, match: float, ks: np.ndarray) -> np.ndarray:
-    """E = 1 + m·(α + α² + ... + α^K) for each K in ``ks``: tokens one round emits on average."""
-    if alpha >= 1.0 - 1e-9:
-        return 1.0 + match * ks
-    return 1.0 + match * alpha * (1.0 - alpha**ks) / (1.0 - alpha)
+def expected_tokens(alpha, match, ks: np.ndarray) -> np.ndarray:
+    """E = 1 + m·(α + α² + ... + α^K) for each K in ``ks``: tokens one round emits on average
+    (α, m scalars or arrays that broadcast against ``ks``; α -> 1 gives 1 + m·K to ~1e-9·K²)."""
+    a = np.minimum(alpha, 1.0 - 1e-9)
+    return 1.0 + match * a * (1.0 - a**ks) / (1.0 - a)
 
 
 class KController:
@@ -184,7 +184,8 @@ class AdaptiveK(KController):
         self._reset_sums()
 
     def _reset_sums(self) -> None:
-        self._tokens = np.zeros(self.k_max + 1)  # Σ_i E_i(min(w, cap_i)) per candidate w
+        self._adaptive: list[tuple[float, float, int]] = []  # (α_i, m_i, cap_i) of rows it decides
+        self._pinned_tokens = 0.0  # Σ_i E_i of the rows whose K is fixed
         self._rows = 0
         self._pinned_width = 0
         self._p_none = 1.0  # Π_i (1 - m_i): the chance that no row finds a draft
@@ -215,9 +216,11 @@ class AdaptiveK(KController):
         if pinned != 0:  # a row that will not draft never widens the verify
             self._p_none *= 1.0 - st.match
         if pinned is None:
-            self._tokens += expected_tokens(st.alpha, st.match, np.minimum(self.widths, cap))
+            self._adaptive.append((st.alpha, st.match, cap))
+        elif pinned == 0:
+            self._pinned_tokens += 1.0
         else:
-            self._tokens += expected_tokens(st.alpha, st.match, np.array([pinned]))[0]
+            self._pinned_tokens += float(expected_tokens(st.alpha, st.match, np.array(pinned)))
             self._pinned_width = max(self._pinned_width, pinned)
 
     def end_round(self, batch, width, steps, rest_s, draft_s):
@@ -237,7 +240,7 @@ class AdaptiveK(KController):
 
     # -- the rule -------------------------------------------------------------------------------
     def _decide(self) -> int:
-        """K* for the batch summed into ``_tokens`` over ``_rows`` rows (0 until calibrated)."""
+        """K* for the batch summed over ``_rows`` rows (0 until calibrated)."""
         if not self.calibrated:
             return 0
         batch = self._rows
@@ -250,7 +253,11 @@ class AdaptiveK(KController):
         )
         plain = self.cost.predict(batch, 0, 0)
         seconds = plain + (1.0 - self._p_none) * (seconds - plain)  # T̄: rounds without a draft
-        goodput = self._tokens / seconds
+        tokens = np.full(len(widths), self._pinned_tokens)  # Σ_i E_i(min(w, cap_i)) per w
+        if self._adaptive:  # every row at once: [rows, 1] against [rows, widths]
+            a, m, cap = (np.array(c)[:, None] for c in zip(*self._adaptive))
+            tokens += expected_tokens(a, m, np.minimum(self.widths[None, :], cap)).sum(0)
+        goodput = tokens / seconds
         best = int(np.argmax(goodput))
         if goodput[best] < goodput[0] * (1.0 + self.min_gain):
             best = 0

@@ -74,6 +74,15 @@ def test_expected_tokens():
     assert np.allclose(expected_tokens(0.5, 1.0, ks), [1, 1.5, 1.75, 1.875])
     assert np.allclose(expected_tokens(1.0, 1.0, ks), [1, 2, 3, 4])
     assert np.allclose(expected_tokens(0.5, 0.0, ks), [1, 1, 1, 1])
+    # rows at once ([rows, 1] against [rows, widths]: what the adaptive rule sums) equal rows alone
+    rng = np.random.default_rng(0)
+    alpha, match, cap = rng.uniform(0, 1, 40), rng.uniform(0, 1, 40), rng.integers(0, 9, 40)
+    alpha[:4] = 1.0
+    widths = np.arange(9)
+    rows = expected_tokens(alpha[:, None], match[:, None], np.minimum(widths, cap[:, None]))
+    alone = [expected_tokens(a, m, np.minimum(widths, c)) for a, m, c in zip(alpha, match, cap)]
+    assert np.allclose(rows, alone, rtol=1e-12)
+    assert np.allclose(rows[:4], 1 + match[:4, None] * np.minimum(widths, cap[:4, None]))
 
 
 @pytest.mark.parametrize("cost", [CHEAP_VERIFY, CPU_LINEAR])
