@@ -45,14 +45,13 @@ def rejection_sample(
     batch, k1, _ = target_probs.shape
     k = k1 - 1
     rows = torch.arange(batch, device=target_probs.device)
+    valid = torch.arange(k, device=num_draft.device)[None, :] < num_draft[:, None]  # [batch, K]
     if noise is None:  # every row greedy: accept while d_j is the argmax, then emit the argmax
         top = target_probs.argmax(-1)  # [batch, K+1]
-        valid = torch.arange(k, device=num_draft.device)[None, :] < num_draft[:, None]
         accept = (draft_tokens == top[:, :k]) & valid  # [batch, K]
         num_accepted = accept.long().cumprod(-1).sum(-1)  # [batch]
         return num_accepted, top[rows, num_accepted]
     if k > 0:
-        valid = torch.arange(k, device=num_draft.device)[None, :] < num_draft[:, None]  # [batch, K]
         p_tok = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [batch, K]
         if draft_probs is None:
             q_tok = torch.ones_like(p_tok)

@@ -273,7 +273,7 @@ class EagleDrafter(DrafterBase):
             pend = torch.cat(self.pending[s.slot])
             feats[b, :n] = pend[:n]
             self.pending[s.slot], self.pending_n[s.slot] = [pend[n:]], len(pend) - n
-            t = self.skipped.get(s.slot, 0) + st + 1  # the token after each position taken in
+            t = self.skipped[s.slot] + st + 1  # the token after each position taken in
             nxt = s.token_array()[t : t + n].tolist()
             ids.append(nxt + [0] * (q - n))
         ids_t = to_device(ids, torch.long, self.device)  # [rows, q]

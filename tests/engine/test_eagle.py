@@ -201,6 +201,7 @@ def fresh_cache(drafter: EagleDrafter, target, seq, skip: tuple[int, int] = (0, 
     fresh = EagleDrafter(drafter.head, drafter.embed, 1, 256, drafter.vocab_size)
     fresh.cache.allocate(0)
     fresh.pending[0], fresh.pending_n[0], fresh.real[0] = [feats], len(feats), 0
+    fresh.skipped[0] = 0
 
     class Row:  # the slot and tokens _ingest reads
         slot = 0
