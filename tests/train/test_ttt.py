@@ -29,7 +29,7 @@ def test_ttt_steps_equal_the_inference_chain():
         train_logits = [head.lm_head(o) for o in outs]  # each [1, S, draft_vocab]
     P = 8  # the last real position the drafter takes in
     d.cache.allocate(0)
-    d.pending[0], d.pending_n[0], d.real[0] = [feats[0, : P + 1]], P + 1, 0
+    d.pending[0], d.pending_n[0], d.real[0], d.skipped[0] = [feats[0, : P + 1]], P + 1, 0, 0
 
     class Row:
         slot = 0
