@@ -15,6 +15,7 @@ import hashlib
 import json
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,6 +35,28 @@ def by_length_windows(items: list, window: int) -> list:
     for i in range(0, len(items), window):
         out += sorted(items[i : i + window], key=lambda item: len(item[1]))
     return out
+
+
+def still_to_answer(
+    turns: Iterable[tuple[str, str]],
+    done: set[str],
+    encode: Callable[[str, str], list[int]],
+    max_prompt: int,
+    limit: int,
+) -> list[tuple[str, list[int], bool]]:
+    """``(id, prompt ids, sampled)`` of the conversations not answered yet, in the file's order,
+    prompts of at most ``max_prompt`` tokens. ``limit`` (0: none) counts the answered ones too: a
+    split already holding ``limit`` answers gets no more."""
+    found: list[tuple[str, list[int], bool]] = []
+    for conv_id, text in turns:
+        if limit and len(found) + len(done) >= limit:
+            break
+        if conv_id in done:
+            continue
+        ids = encode(conv_id, text)
+        if len(ids) <= max_prompt:
+            found.append((conv_id, ids, _sampled(conv_id)))
+    return found
 
 
 def load_done(path: Path) -> set[str]:
@@ -77,15 +100,13 @@ def run(args: argparse.Namespace) -> None:
         built.engine.warm_up()
     engine, tok = built.engine, cast(Any, built.tokenizer)
     done = load_done(path)
-    found: list[tuple[str, list[int], bool]] = []
-    for conv_id, text in first_turns(args.split):
-        if conv_id in done:
-            continue
-        ids = encode(tok, Prompt(conv_id, "sharegpt", "chat", text))
-        if len(ids) <= args.max_prompt:
-            found.append((conv_id, ids, _sampled(conv_id)))
-        if args.limit and len(found) + len(done) >= args.limit:
-            break
+    found = still_to_answer(
+        first_turns(args.split),
+        done,
+        lambda conv_id, text: encode(tok, Prompt(conv_id, "sharegpt", "chat", text)),
+        args.max_prompt,
+        args.limit,
+    )
     todo = deque(by_length_windows(found, 8 * args.batch))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     tokens, seconds = stats.get("output_tokens", 0), stats.get("seconds", 0.0)

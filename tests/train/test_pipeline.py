@@ -38,3 +38,10 @@ def test_a_split_can_be_skipped():
     got = stages({"distill": {"eval": {"skip": True}}, "fit": {"max_steps": 3}})
     assert [name for name, _ in got] == ["distill train", "fit"]
     assert got[1][1].max_steps == 3
+
+
+def test_every_training_config_names_only_known_options():
+    for path in sorted(CONFIG.parent.glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        got = dict(stages(config))  # argparse exits on an unknown option
+        assert "fit" in got and got["fit"].out, path.name
