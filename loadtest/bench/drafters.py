@@ -11,7 +11,8 @@ With ``--llama-server PATH`` (llama.cpp's native server, built from the ``llama-
 loadtest/envs/build_llama_server.sh) the same requests go in the same run to
 ``llama-server -m <the config's GGUF> -t 2 -tb 2 -c 8192 -np 8``, plain and with
 ``--spec-default`` (its n-gram speculation), and the table gives every specd row's ratio to
-llama-server plain.
+llama-server plain. ``--llama-eagle3 HEAD.gguf`` adds llama-server drafting with the same EAGLE-3
+head (``-md HEAD.gguf --spec-type draft-eagle3``; loadtest/envs/convert_head_gguf.sh writes it).
 
     python -m loadtest.bench.drafters --config configs/default.yaml --repeat 2
     python -m loadtest.bench.drafters --config configs/cpu-eagle.yaml \
@@ -58,7 +59,13 @@ def configs(path: Path, fallback: int = 3) -> dict[str, dict]:
     }
 
 
-LLAMA = {"llama": [], "llama-spec": ["--spec-default"]}  # llama-server runs: extra flags
+def llama_runs(head_gguf: str | None) -> dict[str, tuple[list[str], str]]:
+    """llama-server runs: name -> (extra flags, what drafts); with ``head_gguf``, also the
+    EAGLE-3 head converted to GGUF (the same drafter in both servers)."""
+    runs = {"llama": ([], "plain"), "llama-spec": (["--spec-default"], "ngram-mod")}
+    if head_gguf:
+        runs["llama-eagle3"] = (["-md", head_gguf, "--spec-type", "draft-eagle3"], "eagle3")
+    return runs
 
 
 def llama_server(binary: str, config: str, flags: list[str], out: Path):
@@ -106,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, help="requests per level (default: the 24 items)")
     ap.add_argument("--out", default="loadtest/results/bench_drafters")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: measured too")
+    ap.add_argument("--llama-eagle3", help="the head as GGUF: llama-server drafts with it too")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             with specd_server(path, max_running=8) as server:
                 res = drive(server.base_url, data, args, "on,off", out / name)
         rows += table_rows(res, name, lambda mode, n=name: n if mode == "on" else "plain")
-    for name, flags in LLAMA.items() if args.llama_server else ():
+    llama_servers = llama_runs(args.llama_eagle3) if args.llama_server else {}
+    for name, (flags, drafter) in llama_servers.items():
         with llama_server(args.llama_server, args.config, flags, out) as server:
             res = drive(server.base_url, data, args, "default", out / name, retries=2)
-        rows += table_rows(res, name, lambda _, f=flags: "ngram-mod" if f else "plain")
+        rows += table_rows(res, name, lambda _, d=drafter: d)
     (out / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
     lines = [
         f"# python -m loadtest.bench.drafters --config {args.config} --repeat {args.repeat} "

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from engine.config import EngineConfig
-from loadtest.bench.drafters import configs
+from loadtest.bench.drafters import configs, llama_runs
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -23,3 +23,13 @@ def test_an_eagle_config_runs_the_head_with_and_without_the_fallback_and_ngram()
 
 def test_an_ngram_config_runs_itself_and_ngram():
     assert list(configs(ROOT / "configs" / "default.yaml")) == ["ngram"]
+
+
+def test_llama_server_runs_plain_its_ngram_and_with_a_head_the_head():
+    assert llama_runs(None) == {
+        "llama": ([], "plain"),
+        "llama-spec": (["--spec-default"], "ngram-mod"),
+    }
+    runs = llama_runs("/x/head.gguf")
+    flags = ["-md", "/x/head.gguf", "--spec-type", "draft-eagle3"]
+    assert runs["llama-eagle3"] == (flags, "eagle3")
