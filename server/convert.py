@@ -174,6 +174,7 @@ def _params(
         logit_bias=_logit_bias(req, capacity.vocab_size),
         grammar=grammar,
         deterministic=_deterministic(req, capacity),
+        ignore_eos=req.ignore_eos,
     )
 
 

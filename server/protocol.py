@@ -16,8 +16,7 @@ INT64 = 2**63
 
 
 class _Req(BaseModel):
-    # unknown fields are ignored, as OpenAI's API does for forward compatibility; NaN and
-    # infinities (which Python's JSON parser accepts) are refused in every number
+    # unknown fields ignored (as OpenAI's API does); NaN and infinities refused in every number
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
@@ -87,6 +86,7 @@ class _Sampling(_Req):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (a string) -> bias in [-100, 100]
     repetition_penalty: float | None = Field(None, gt=0, le=10)  # extension (vLLM's): 1 = off
+    ignore_eos: bool = False  # extension (vLLM's): the end-of-sequence token does not stop it
     user: str | None = None
     speculation: SpeculationOptions | None = None
     deterministic: bool | None = None  # extension: batch-invariant forwards (engine/invariant.py)

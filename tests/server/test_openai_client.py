@@ -292,3 +292,13 @@ def test_echo_logprobs_max_tokens_0_scores_the_prompt(client, live):
     streamed = [t for x in chunks if x.logprobs for t in x.logprobs.tokens]
     assert streamed == full.choices[0].logprobs.tokens
     assert len(streamed) == len(ids) + 4 == len(full.choices[0].logprobs.text_offset)
+
+
+def test_ignore_eos_runs_to_max_tokens_past_the_end_of_sequence(client):
+    hello = [{"role": "user", "content": "Say hello."}]
+    ask = dict(model=MODEL, messages=hello, max_tokens=48, temperature=0)
+    ends = client.chat.completions.create(**ask)
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens < 48
+    runs = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert runs.choices[0].finish_reason == "length" and runs.usage.completion_tokens == 48
+    assert runs.choices[0].message.content.startswith(ends.choices[0].message.content)
