@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import openai
 
@@ -23,7 +24,7 @@ from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from loadtest.datasets import encode, mixed
-from loadtest.server_proc import spawn, specd_argv
+from loadtest.server_proc import specd_server
 
 
 def in_process(engine, ids: list[int], max_tokens: int, k: int) -> tuple[int, float]:
@@ -68,8 +69,8 @@ def main(argv=None) -> None:
     prompts = [encode(built.tokenizer, p) for p in mixed(1)[: a.prompts]]
     totals = {"in process": [0, 0.0], "http": [0, 0.0]}
     pairs: list[float] = []
-    with spawn(specd_argv(a.config), ready_path="/ready", name="specd") as srv:
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=2)
+    with specd_server(Path(a.config), max_running=1) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="-", max_retries=2)
         model = client.models.list().data[0].id
         runs = {
             "in process": lambda ids: in_process(built.engine, ids, a.max_tokens, a.k),
