@@ -54,6 +54,7 @@ def make_controller(d, drafter) -> KController:
             probe_interval=d.probe_interval,
             probe_k=d.probe_k,
             probe_budget=d.probe_budget,
+            always_drafts=drafter.samples,  # a model (head, draft model) proposes whenever asked
         )
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)

@@ -14,7 +14,9 @@ row's own K. A round in which no row found a draft feeds one token per row whate
 so with P = 1 - Π_i (1 - m_i), the chance that some row drafts, a round asked for w costs on
 average
     T̄(B, w) = T(B, 0) + P·(T(B, w) - T(B, 0))
-(P = 1 for a draft model). The batch's width is the w in 0..K_max with the highest goodput
+(P = 1 and m = 1 for a drafter that proposes whenever asked: one that samples, a draft model or
+an EAGLE head, ``always_drafts``; its m is not estimated, whose prior would price its first
+rounds as if half found no draft). The batch's width is the w in 0..K_max with the highest goodput
 (emitted tokens per second),
     K* = argmax_w  Σ_i E(α_i, min(w, cap_i)) / T̄(B, w),
 and row i drafts K_i = min(K*, cap_i) (cap_i: the request's k_max, its remaining tokens, the
@@ -172,8 +174,10 @@ class AdaptiveK(KController):
         probe_k: int = 2,
         probe_budget: float = 0.02,
         cost: CostModel | None = None,
+        always_drafts: bool = False,
     ):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
+        self.always_drafts = always_drafts  # m = 1: the drafter proposes whenever asked
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
         self.probe_interval, self.probe_k, self.probe_budget = probe_interval, probe_k, probe_budget
         self.cost: CostModel = cost or RoundCost()
@@ -213,14 +217,15 @@ class AdaptiveK(KController):
     def _add_row(self, st: KState, pinned: int | None, cap: int) -> None:
         """Add one row to the batch sums that :meth:`_decide` weighs."""
         self._rows += 1
+        match = 1.0 if self.always_drafts else st.match
         if pinned != 0:  # a row that will not draft never widens the verify
-            self._p_none *= 1.0 - st.match
+            self._p_none *= 1.0 - match
         if pinned is None:
-            self._adaptive.append((st.alpha, st.match, cap))
+            self._adaptive.append((st.alpha, match, cap))
         elif pinned == 0:
             self._pinned_tokens += 1.0
         else:
-            self._pinned_tokens += float(expected_tokens(st.alpha, st.match, np.array(pinned)))
+            self._pinned_tokens += float(expected_tokens(st.alpha, match, np.array(pinned)))
             self._pinned_width = max(self._pinned_width, pinned)
 
     def end_round(self, batch, width, steps, rest_s, draft_s):

@@ -1,19 +1,22 @@
 """The measured cost of one speculative round, T(B, w), and the fit behind it.
 
 One round of a batch of B rows whose widest draft is w tokens costs
-    T(B, w) = a + b·B + c·B·w  +  s(w)·(d + e·B)
+    T(B, w) = a + b·B + c·B·w + f·B·[w > 0]  +  s(w)·(d + e·B)
 - the verify forward pads every row to w + 1 query tokens, so the target's cost (with the round's
-  sampling and bookkeeping, a + b·B + c·B·w) is set by the batch's widest draft, not by each row's
-  own K. Where a forward pads B and w + 1 further (the fast path's buckets,
-  ``ModelRunner.padded_shape``), ``shape`` maps them to the padded values first: widths that pad
-  to one verify shape are priced alike;
+  sampling and bookkeeping, a + b·B + c·B·w + f·B·[w > 0]) is set by the batch's widest draft,
+  not by each row's own K. The term f·B·[w > 0] lets the first verified token cost other
+  than the next ones: served on 2 Xeon cores, a 2-token verify cost +2.0 ms over a 13.8 ms
+  decode and a 4-token one +7.4 ms (~2.5 ms a token), so a line through w = 0 priced w = 1
+  ~0.5 ms too dear, at the margin where K = 1 pays a few per cent. Where a forward pads B and
+  w + 1 further (the fast path's buckets, ``ModelRunner.padded_shape``), ``shape`` maps them to
+  the padded values first: widths that pad to one verify shape are priced alike;
 - the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each.
 
 Fit: exponentially weighted least squares over every round's measured times: the round without its
-draft phase on features [1, B, B·w], the draft phase per step on [1, B]. Start-up calibration
-points (engine/calibration.py) stay in the fit as fixed pseudo-observations that never decay, so
-the slope c is known before traffic has ever varied w; a tiny ridge keeps the fit solvable before
-any data.
+draft phase on features [1, B, B·w, B·[w > 0]], the draft phase per step on [1, B]. Start-up
+calibration points (engine/calibration.py) stay in the fit as fixed pseudo-observations that
+never decay, so the slope c is known before traffic has ever varied w; a tiny ridge keeps the fit
+solvable before any data.
 """
 
 from __future__ import annotations
@@ -96,14 +99,14 @@ class RoundCost:
     features padded, so every draft width that pads to the same verify shape is priced alike."""
 
     def __init__(self, decay: float = 0.98, shape: Shape = _unpadded):
-        self.rest = EWLeastSquares(3, decay)  # round minus draft phase ~ [1, B, B·w]
+        self.rest = EWLeastSquares(4, decay)  # round minus draft phase ~ [1, B, B·w, B·[w>0]]
         self.step = EWLeastSquares(2, decay)  # one draft step ~ [1, B]
         self.shape = shape
         self.observed = 0  # rounds observed (calibration points not counted)
 
-    def _rest_x(self, batch: int, width: int) -> tuple[float, int, int]:
+    def _rest_x(self, batch: int, width: int) -> tuple[float, int, int, int]:
         rows, q = self.shape(batch, width + 1)
-        return (1.0, rows, rows * (q - 1))
+        return (1.0, rows, rows * (q - 1), rows * (q > 1))
 
     def add_calibration(self, batch: int, width: int, seconds: float) -> None:
         self.rest.add_fixed(self._rest_x(batch, width), seconds, CALIBRATION_WEIGHT)

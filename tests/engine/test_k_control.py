@@ -252,3 +252,27 @@ def test_adaptive_accepts_any_cost_model():
 
     ctrl = AdaptiveK(5, cost=Flat())
     assert ctrl.calibrated and ctrl.k_for(seq(), 8) == 5
+
+
+def test_a_drafter_that_always_proposes_is_priced_with_match_one():
+    """A fresh row's match rate is its prior (0.5): right for n-gram lookups, which may find
+    nothing, but it halves both the gain and the cost of a draft that a model always makes.
+    Here (α prior 0.5, a 1-token verify costing 1.48x a plain round) K = 1 gains 1.35% at
+    m = 1 and 0.8% at m = 0.5, so only the controller told that the drafter always proposes
+    drafts (min_gain 1%)."""
+    cost = linear_cost(0.050, 0.0, 0.024)
+    assert controller(cost, always_drafts=True).k_for(seq(), 8) == 1
+    assert controller(cost).k_for(seq(), 8) == 0
+
+
+def test_builder_tells_the_controller_which_drafters_always_propose():
+    from types import SimpleNamespace
+
+    from engine.builder import make_controller
+
+    d = SimpleNamespace(controller="adaptive", k_max=4, min_gain=0.01, probe_interval=2,
+                        probe_k=2, probe_budget=0.02)  # fmt: skip
+    for samples in (True, False):  # a model drafter samples and always proposes; n-gram neither
+        drafter = SimpleNamespace(samples=samples, steps=lambda w: w)
+        ctrl = make_controller(d, drafter)
+        assert isinstance(ctrl, AdaptiveK) and ctrl.always_drafts is samples

@@ -42,3 +42,23 @@ def test_observed_rounds_refit_and_draft_steps_add():
     assert cost.predict(4, 3, 0) == pytest.approx(0.01 + 0.008 + 0.012, rel=1e-4)
     assert cost.predict(4, 3, 3) == pytest.approx(0.03 + 3 * 0.004, rel=1e-4)
     assert cost.predict(1, 0, 0) > 0 and RoundCost().predict(1, 0, 0) == 1e-6  # never <= 0
+
+
+def test_the_first_verified_token_is_priced_apart():
+    """A verify's cost need not be a line through w = 0 (served on 2 Xeon cores: +2.0 ms for
+    2 tokens, +7.4 for 4, over a 13.8 ms decode); with the buckets calibrated the model prices
+    each of them as measured, w = 1 included."""
+    buckets = (1, 2, 4, 8)
+
+    def padded(batch, q):
+        return batch, next(b for b in buckets if b >= q)
+
+    measured = {1: 0.0138, 2: 0.0158, 4: 0.0212, 8: 0.0308}  # seconds by padded q, B = 1
+    cost = RoundCost(shape=padded)
+    for w in (0, 1, 3, 7):
+        cost.add_calibration(1, w, measured[w + 1])
+    # least squares over 4 points: w = 1 within 0.2 ms (a line through them missed it by 0.3)
+    assert cost.predict(1, 1, 0) == pytest.approx(measured[2], abs=2e-4)
+    for w in (0, 3, 7):
+        assert cost.predict(1, w, 0) == pytest.approx(measured[w + 1], abs=3e-4)
+    assert cost.predict(1, 2, 0) == pytest.approx(cost.predict(1, 3, 0))  # pads to 4 tokens
