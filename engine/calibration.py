@@ -31,11 +31,10 @@ def calibrate(
     tokens after a ``prefix``-token context) and the draft model's one-token step, and add them
     to ``cost`` as fixed pseudo-observations (best of ``repeats`` after one warm-up forward).
 
-    The default widths are one per verify shape of the fast path (1, 2, 4 and 8 query tokens):
-    the cost of the cheapest draft, w = 1, is measured rather than read off a line through
-    wider verifies (on 2 Xeon cores a 2-token verify cost 1.15x a decode and a 4-token one
-    1.54x: a line through w = 0, 2, 6 priced w = 1 at ~1.3x, and the adaptive K seldom drafted
-    where K = 1 paid)."""
+    The default widths are one per verify shape of the configs' fast path (q buckets 1, 2, 4
+    and 8 query tokens): the cost of the cheapest draft, w = 1, is measured rather than read off
+    a line through wider verifies (served on 2 Xeon cores a 2-token verify cost +2.0 ms over a
+    13.8 ms decode; with w = 0, 2, 6 calibrated the model put it at +2.4-2.7 ms)."""
     # the lowest slots: the compiled path runs a forward over the row bucket of slots
     # [0, max slot] (engine/fast_forward.py), so slot 15 alone is priced as 16 rows
     slots = sorted(free_slots)[:4]

@@ -6,10 +6,11 @@ One round of a batch of B rows whose widest draft is w tokens costs
   sampling and bookkeeping, a + b·B + c·B·w + f·B·[w > 0]) is set by the batch's widest draft,
   not by each row's own K. The term f·B·[w > 0] lets the first verified token cost other
   than the next ones: served on 2 Xeon cores, a 2-token verify cost +2.0 ms over a 13.8 ms
-  decode and a 4-token one +7.4 ms (~2.5 ms a token), so a line through w = 0 priced w = 1
-  ~0.5 ms too dear, at the margin where K = 1 pays a few per cent. Where a forward pads B and
-  w + 1 further (the fast path's buckets, ``ModelRunner.padded_shape``), ``shape`` maps them to
-  the padded values first: widths that pad to one verify shape are priced alike;
+  decode and a 4-token one +7.4 ms (~2.5 ms a token), so a least-squares line through the
+  calibrated w = 0, 1, 3, 7 priced w = 1 ~0.3 ms too dear, at the margin where K = 1 pays a
+  few per cent. Where a forward pads B and w + 1 further (the fast path's buckets,
+  ``ModelRunner.padded_shape``), ``shape`` maps them to the padded values first: widths that pad
+  to one verify shape are priced alike;
 - the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each.
 
 Fit: exponentially weighted least squares over every round's measured times: the round without its
