@@ -122,8 +122,8 @@ def create_app(
         check_model(model, served)
         return P.ModelCard(id=model, created=started)
 
-    if grammars is None:  # (assembly passes the engine's: llguidance reads the vocabulary once)
-        grammars = GrammarCompiler(tokenizer, capacity.vocab_size)
+    if grammars is None:  # the engine's own; an engine without one serves no structured output
+        grammars = getattr(getattr(worker, "engine", None), "grammars", None)
     serving = Serving(worker, tokenizer, served, capacity, settings, metrics, fingerprint, grammars)
     add_generation_routes(app, serving)
     return app

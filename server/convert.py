@@ -201,7 +201,7 @@ def completion_job(
     tokenizer,
     s: ServerSettings,
     capacity: EngineCapacity,
-    grammars: GrammarCompiler,
+    grammars: GrammarCompiler | None,
 ) -> Job:
     _check_n(req, s)
     if req.best_of is not None and req.best_of != req.n:
@@ -277,7 +277,7 @@ def chat_job(
     tokenizer,
     s: ServerSettings,
     capacity: EngineCapacity,
-    grammars: GrammarCompiler,
+    grammars: GrammarCompiler | None,
 ) -> Job:
     _check_n(req, s)
     if req.top_logprobs is not None and not req.logprobs:

@@ -54,7 +54,7 @@ class Serving:
     settings: ServerSettings
     metrics: Metrics
     fingerprint: str  # OpenAI's system_fingerprint: this build, model and drafter
-    grammars: GrammarCompiler  # checks structured-output grammars before admission
+    grammars: GrammarCompiler | None  # checks structured-output grammars before admission
 
 
 def admit(s: Serving, job: Job, prefix: str) -> JobRun:

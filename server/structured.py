@@ -53,9 +53,12 @@ def _requested(req: _Sampling) -> list[tuple[str, str]]:
     return out
 
 
-def grammar_for(req: _Sampling, grammars: GrammarCompiler, tools: dict | None = None) -> str | None:
+def grammar_for(
+    req: _Sampling, grammars: GrammarCompiler | None, tools: dict | None = None
+) -> str | None:
     """The request's one grammar (None: free text); ``tools``: the schema of a tool-calling
-    answer (server/tools.py). 400 for two constraints or a bad one."""
+    answer (server/tools.py). 400 for two constraints or a bad one, or for any where the engine
+    has no grammar compiler (``grammars`` None)."""
     try:
         found = _requested(req)
         if tools is not None:
@@ -69,6 +72,8 @@ def grammar_for(req: _Sampling, grammars: GrammarCompiler, tools: dict | None = 
     if len(found) > 1:
         raise bad("set one of response_format and structured_outputs", found[1][0])
     param, grammar = found[0]
+    if grammars is None:
+        raise bad("structured output is not available on this server", param)
     error = grammars.check(grammar)
     if error:
         raise bad(f"{param} cannot be compiled: {error[:300]}", param)

@@ -56,3 +56,24 @@ def test_ready_turns_503_when_the_engine_loop_dies(built):
         assert assert_error(c.get("/ready"), 503)["code"] == "not_ready"
         assert assert_error(c.post("/v1/chat/completions", json=CHAT), 503)["code"] == "not_ready"
         assert c.get("/health").status_code == 200
+
+
+def test_structured_output_on_an_engine_without_grammars_is_a_400(built):
+    """The app checks grammars with the engine's own compiler; an engine without one (a test
+    engine, say) gets no structured request: 400 before admission, never the engine's refusal
+    (a 500). Found by schemathesis: a regex request reached such an engine."""
+    engine = DyingEngine()  # no ``grammars`` attribute, and it never generates
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        with TestClient(make_app(built, worker)) as c:
+            regex = CHAT | {"structured_outputs": {"regex": "[a-z]+"}}
+            err = assert_error(c.post("/v1/chat/completions", json=regex), 400)
+            assert err["param"] == "structured_outputs.regex" and "not available" in err["message"]
+            fmt = CHAT | {"response_format": {"type": "json_object"}, "stream": True}
+            assert assert_error(c.post("/v1/chat/completions", json=fmt), 400)["param"] == (
+                "response_format"
+            )
+            assert c.get("/ready").json()["status"] == "ready"
+    finally:
+        worker.shutdown()

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from engine.grammar import GrammarCompiler
 from engine.worker import EngineWorker
 from server import protocol as P
 from server.app import create_app
@@ -48,6 +49,7 @@ def tiny_app(real_fp32):
     tok = real_fp32[1]
     m = helpers.tiny_llama(0, layers=1, vocab=len(tok), hidden=16, heads=2, kv_heads=1)
     engine = helpers.engine_for(m, "ngram", slots=4, max_len=192, eos=[tok.eos_token_id])
+    engine.grammars = GrammarCompiler(tok, engine.vocab_size)  # structured outputs run too
     worker = EngineWorker(engine, max_queued=64)
     worker.start()
     capacity = EngineCapacity(engine.target.max_len, engine.vocab_size, "ngram", 8)
