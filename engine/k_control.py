@@ -37,6 +37,8 @@ Probing
 -------
 At K* = 0 nothing is observed and α could never recover when the text turns predictable. After
 ``probe_interval`` rounds at K* = 0, one round drafts ``probe_k`` tokens for every adaptive row;
+and each round at K = 0 ages a row's evidence (k_state.py), so an estimate that stopped drafting at
+a dip returns towards the prior instead of waiting for the probe;
 where a probe round costs more than ``probe_budget`` of the rounds between two probes, probes are
 spaced further apart to keep within it.
 

@@ -8,6 +8,7 @@ tokens per target pass and milliseconds per round (prefill included). No server,
 the controller makes of the drafter, against what a fixed K would have made.
 
     python -m loadtest.bench.k_modes --config configs/cpu-eagle.yaml --ks 1,3
+    python -m loadtest.bench.k_modes --config configs/cpu-eagle.yaml --ks 1 --idle-decays 1.0
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import time
 
+from engine import k_state
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.sampling import SamplingParams
@@ -43,6 +45,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ks", default="1,3", help="fixed K modes besides plain and adaptive")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--idle-decays", default="",
+                    help="extra adaptive modes, one per k_state.IDLE_DECAY value")  # fmt: skip
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,25 +58,35 @@ def main(argv=None) -> None:
     modes = {"plain": SpecParams(enabled=False)}
     modes |= {f"K={k}": SpecParams(k=int(k)) for k in a.ks.split(",") if k}
     modes["adaptive"] = SpecParams()
+    decay = {"adaptive": k_state.IDLE_DECAY}  # the aging of a K = 0 round's evidence, per mode
+    for d in (float(x) for x in a.idle_decays.split(",") if x):
+        modes[f"adaptive idle {d}"] = SpecParams()
+        decay[f"adaptive idle {d}"] = d
+
+    def generate(p, m):
+        k_state.IDLE_DECAY = decay.get(m, decay["adaptive"])
+        return engine.generate([p], params, modes[m])
+
     for p in prompts[:2]:  # warm: first calls, the controller's calibration
-        for spec in modes.values():
-            engine.generate([p], params, spec)
+        for m in modes:
+            generate(p, m)
     totals = {m: [0.0, 0, 0] for m in modes}  # seconds, tokens, target passes
     for p, order in zip(prompts[2:], orders(list(modes), a.prompts)):
         for m in order:
             t0 = time.perf_counter()
-            s = engine.generate([p], params, modes[m])[0]
+            s = generate(p, m)[0]
             t = totals[m]
             t[0] += time.perf_counter() - t0
             t[1] += len(s.output_ids)
             t[2] += s.target_passes
+    k_state.IDLE_DECAY = decay["adaptive"]
     plain = totals["plain"][1] / totals["plain"][0]
     print(f"{a.config}, c = 1, {a.prompts} prompts x {a.max_tokens} tokens, greedy, interleaved")
     rows = {}
     for m, (sec, tok, passes) in totals.items():
         r = rows[m] = dict(tok_s=tok / sec, x_plain=tok / sec / plain, tok_per_pass=tok / passes,
                            ms_per_round=sec / passes * 1e3)  # fmt: skip
-        print(f"  {m:9s} {r['tok_s']:7.1f} tok/s  x plain {r['x_plain']:.3f}  "
+        print(f"  {m:18s} {r['tok_s']:7.1f} tok/s  x plain {r['x_plain']:.3f}  "
               f"tokens/pass {r['tok_per_pass']:.2f}  ms/round {r['ms_per_round']:.2f}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
