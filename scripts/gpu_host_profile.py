@@ -13,13 +13,9 @@ import warnings
 
 import torch
 
-from engine.builder import make_controller
-from engine.config import DrafterConfig
-from engine.engine import SpecEngine
 from engine.sequence import SpecParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.gpu import K_MAX, PLAIN, Bench
-from loadtest.bench.synthetic import synthetic_accept
 
 
 def main(argv: list[str]) -> None:
@@ -27,9 +23,7 @@ def main(argv: list[str]) -> None:
     b = Bench(a)
     b.s0()
     b.s1()
-    ctl = make_controller(DrafterConfig(controller="adaptive", k_max=K_MAX), b.drafter)
-    eng = SpecEngine(b.target, b.drafter, [], controller=ctl, k_max=K_MAX)
-    eng.accept = synthetic_accept(0.8, b.gen)
+    eng = parts.adaptive_engine(b, 0.8, K_MAX)
     b.load(eng, 1, SpecParams(), 8)  # calibrates
     b.load(eng, 64, PLAIN, 8)  # warm
     for mode, spec in (("off", PLAIN), ("adaptive", SpecParams()), ("off", PLAIN)):

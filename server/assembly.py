@@ -55,10 +55,8 @@ def assemble(built: Built, settings: ServerSettings, *, engine_thread: bool) -> 
     worker = EngineWorker(built.engine, max_queued=built.config.max_queued)
     model = built.config.model.name
     capacity = engine_capacity(built)
-    grammars = (
-        built.engine.grammars
-    )  # read-only after start: shared by HTTP's checks and the engine
-    app = create_app(worker, built.tokenizer, model, capacity, settings, grammars=grammars)
+    # the app checks grammars with the engine's own compiler (read-only after start)
+    app = create_app(worker, built.tokenizer, model, capacity, settings)
     return Server(app, settings, worker, engine_thread=engine_thread)
 
 

@@ -22,8 +22,6 @@ import traceback
 import numpy as np
 import torch
 
-from engine.builder import make_controller
-from engine.config import DrafterConfig
 from engine.drafters import ModelDrafter
 from engine.drafters.eagle import EagleDrafter
 from engine.engine import SpecEngine
@@ -252,9 +250,7 @@ class Bench:
         return out | dict(tok_per_pass=tokens / passes, mean_k=statistics.mean(ks or [0]))
 
     def s5(self) -> None:
-        ctl = make_controller(DrafterConfig(controller="adaptive", k_max=K_MAX), self.drafter)
-        eng = SpecEngine(self.target, self.drafter, [], controller=ctl, k_max=K_MAX)
-        eng.accept = synthetic_accept(0.8, self.gen)
+        eng = parts.adaptive_engine(self, 0.8, K_MAX)
         t = time.perf_counter()
         self.load(eng, 1, SpecParams(), 8)  # the engine calibrates the controller here
         self.r["s5"] = dict(alpha=0.8, calibrate_warm_s=time.perf_counter() - t, rows=[])

@@ -8,10 +8,14 @@ import statistics
 
 import torch
 
+from engine.builder import make_controller
+from engine.config import DrafterConfig
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
+from engine.engine import SpecEngine
 from engine.fast_forward import CompileConfig
 from engine.timing import time_calls
 from loadtest.bench.steps import SHAPES, in_dtype
+from loadtest.bench.synthetic import synthetic_accept
 
 SGLANG = (
     "SGLang published (Llama-3.1-8B, H100, batch 1): 158 tok/s plain, 373 tok/s EAGLE-3 "
@@ -145,3 +149,13 @@ def graph_counts(runners) -> dict:
         for r in runners
         if r.fast is not None
     }
+
+
+def adaptive_engine(bench, alpha: float, k_max: int) -> SpecEngine:
+    """An engine over ``bench``'s target and draft runners with the adaptive K controller and
+    synthetic acceptance ``alpha`` (speed only: not the exact rule). Its controller calibrates
+    at the engine's first step."""
+    ctl = make_controller(DrafterConfig(controller="adaptive", k_max=k_max), bench.drafter)
+    eng = SpecEngine(bench.target, bench.drafter, [], controller=ctl, k_max=k_max)
+    eng.accept = synthetic_accept(alpha, bench.gen)
+    return eng

@@ -16,13 +16,9 @@ from __future__ import annotations
 import statistics
 import sys
 
-from engine.builder import make_controller
-from engine.config import DrafterConfig
-from engine.engine import SpecEngine
 from engine.sequence import SpecParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.gpu import K_MAX, PLAIN, Bench
-from loadtest.bench.synthetic import synthetic_accept
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -30,9 +26,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     b = Bench(a)
     b.s0()
     b.s1()
-    ctl = make_controller(DrafterConfig(controller="adaptive", k_max=K_MAX), b.drafter)
-    eng = SpecEngine(b.target, b.drafter, [], controller=ctl, k_max=K_MAX)
-    eng.accept = synthetic_accept(0.8, b.gen)
+    eng = parts.adaptive_engine(b, 0.8, K_MAX)
     b.load(eng, 1, SpecParams(), 8)  # calibrates the controller
     rows = []
     for batch in [int(x) for x in a.batches.split(",")]:
