@@ -11,10 +11,14 @@ One round of a batch of B rows whose widest draft is w tokens costs
   few per cent. Where a forward pads B and w + 1 further (the fast path's buckets,
   ``ModelRunner.padded_shape``), ``shape`` maps them to the padded values first: widths that pad
   to one verify shape are priced alike;
-- the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each.
+- the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each, plus
+  g·C for its catch-up: C positions, summed over the rows, that a stateful drafter (a draft
+  model, an EAGLE head) takes in for rounds in which the row did not draft. A probe after a
+  stretch at K = 0 pays it at once; a draft model's catch-up has no bound (every token it
+  missed), so at a large batch a probe may cost more than the rounds it could save.
 
 Fit: exponentially weighted least squares over every round's measured times: the round without its
-draft phase on features [1, B, B·w, B·[w > 0]], the draft phase per step on [1, B]. Start-up
+draft phase on features [1, B, B·w, B·[w > 0]], the draft phase on [s, s·B, C]. Start-up
 calibration points (engine/calibration.py) stay in the fit as fixed pseudo-observations that
 never decay, so the slope c is known before traffic has ever varied w; a tiny ridge keeps the fit
 solvable before any data.
@@ -37,11 +41,14 @@ class CostModel(Protocol):
 
     shape: Shape
 
-    def observe(self, batch: int, width: int, steps: int, rest_s: float, draft_s: float) -> None:
-        """One measured round: B rows, padded width w, ``steps`` draft steps; the round's time
-        without its draft phase, and the draft phase's time."""
+    def observe(
+        self, batch: int, width: int, steps: int, rest_s: float, draft_s: float, catch_up: int = 0
+    ) -> None:
+        """One measured round: B rows, padded width w, ``steps`` draft steps, ``catch_up``
+        positions the drafter took in for rounds it missed; the round's time without its draft
+        phase, and the draft phase's time."""
 
-    def predict(self, batch: int, width: int, steps: int) -> float:
+    def predict(self, batch: int, width: int, steps: int, catch_up: int = 0) -> float:
         """Predicted seconds of a round (> 0)."""
         ...
 
@@ -101,7 +108,7 @@ class RoundCost:
 
     def __init__(self, decay: float = 0.98, shape: Shape = _unpadded):
         self.rest = EWLeastSquares(4, decay)  # round minus draft phase ~ [1, B, B·w, B·[w>0]]
-        self.step = EWLeastSquares(2, decay)  # one draft step ~ [1, B]
+        self.draft = EWLeastSquares(3, decay)  # the draft phase ~ [s, s·B, C]
         self.shape = shape
         self.observed = 0  # rounds observed (calibration points not counted)
 
@@ -113,16 +120,17 @@ class RoundCost:
         self.rest.add_fixed(self._rest_x(batch, width), seconds, CALIBRATION_WEIGHT)
 
     def add_step_calibration(self, batch: int, seconds: float) -> None:
-        self.step.add_fixed((1.0, batch), seconds, CALIBRATION_WEIGHT)
+        self.draft.add_fixed((1.0, batch, 0.0), seconds, CALIBRATION_WEIGHT)
 
-    def observe(self, batch: int, width: int, steps: int, rest_s: float, draft_s: float) -> None:
+    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0):
         self.observed += 1
         self.rest.update(self._rest_x(batch, width), rest_s)
         if steps > 0:
-            self.step.update((1.0, batch), draft_s / steps)
+            self.draft.update((steps, steps * batch, catch_up), draft_s)
 
-    def predict(self, batch: int, width: int, steps: int) -> float:
+    def predict(self, batch, width, steps, catch_up=0):
         t = self.rest.predict(self._rest_x(batch, width))
         if steps > 0:
-            t += steps * max(self.step.predict((1.0, batch)), 0.0)
+            d, e, g = self.draft.theta
+            t += steps * max(d + e * batch, 0.0) + max(g, 0.0) * catch_up
         return max(t, 1e-6)

@@ -43,18 +43,22 @@ def still_to_answer(
     encode: Callable[[str, str], list[int]],
     max_prompt: int,
     limit: int,
+    offset: int = 0,
 ) -> list[tuple[str, list[int], bool]]:
     """``(id, prompt ids, sampled)`` of the conversations not answered yet, in the file's order,
-    prompts of at most ``max_prompt`` tokens. ``limit`` (0: none) counts the answered ones too: a
-    split already holding ``limit`` answers gets no more."""
+    prompts of at most ``max_prompt`` tokens. The first ``offset`` such prompts (answered or not)
+    are passed over: an earlier run's fit already learned them. ``limit`` (0: none) counts the
+    answered ones too: a split already holding ``limit`` answers gets no more."""
     found: list[tuple[str, list[int], bool]] = []
+    eligible = 0
     for conv_id, text in turns:
         if limit and len(found) + len(done) >= limit:
             break
-        if conv_id in done:
-            continue
         ids = encode(conv_id, text)
-        if len(ids) <= max_prompt:
+        if len(ids) > max_prompt:
+            continue
+        eligible += 1
+        if eligible > offset and conv_id not in done:
             found.append((conv_id, ids, _sampled(conv_id)))
     return found
 
@@ -106,6 +110,7 @@ def run(args: argparse.Namespace) -> None:
         lambda conv_id, text: encode(tok, Prompt(conv_id, "sharegpt", "chat", text)),
         args.max_prompt,
         args.limit,
+        args.offset,
     )
     todo = deque(by_length_windows(found, 8 * args.batch))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
@@ -155,6 +160,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=".cache/distill")
     ap.add_argument("--limit", type=int, default=0, help="stop after this many conversations")
     ap.add_argument("--minutes", type=float, default=0, help="stop after this long (0: no limit)")
+    ap.add_argument(
+        "--offset", type=int, default=0, help="pass over the first N short-enough prompts"
+    )
     ap.add_argument("--batch", type=int, default=32, help="sequences decoded together")
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=384)

@@ -53,6 +53,12 @@ class Drafter(Protocol):
         """Sequential drafting steps to propose ``width`` tokens (the K controller's cost)."""
         ...
 
+    @property
+    def catch_up_cap(self) -> int:
+        """The most skipped rounds (at K = 0) a row's next ``propose`` takes in first, one
+        position each (0: a stateless drafter; the K controller prices a probe's catch-up)."""
+        ...
+
     def observe(
         self, seqs: list[Sequence], hidden: torch.Tensor, starts: list[int], counts: list[int]
     ) -> None:
@@ -97,6 +103,7 @@ class DrafterBase:
     samples: bool = False
     runner: ModelRunner | None = None
     taps: tuple[int, ...] = ()
+    catch_up_cap: int = 0
 
     def steps(self, width: int) -> int:
         return width

@@ -52,8 +52,8 @@ WINDOW = 16  # pending positions a row keeps at K = 0 (up to twice as many); old
 
 
 class EagleDrafter(DrafterBase):
-    name = "eagle3"
-    samples = True
+    name, samples = "eagle3", True
+    catch_up_cap = 2 * WINDOW  # the most pending positions a row can have (commit drops older)
 
     def __init__(
         self, head: Eagle3Head, embed: torch.nn.Module, num_slots: int, max_len: int, vocab: int

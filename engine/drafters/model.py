@@ -40,6 +40,7 @@ def check_same_vocab(target_tok, draft_tok) -> None:
 
 class ModelDrafter(DrafterBase):
     samples = True
+    catch_up_cap = 1 << 20  # no bound: the catch-up feed takes in every token the draft missed
     runner: ModelRunner
 
     def __init__(self, runner: ModelRunner, vocab_size: int, name: str = "draft_model"):

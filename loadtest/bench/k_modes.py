@@ -9,6 +9,7 @@ the controller makes of the drafter, against what a fixed K would have made.
 
     python -m loadtest.bench.k_modes --config configs/cpu-eagle.yaml --ks 1,3
     python -m loadtest.bench.k_modes --config configs/cpu-eagle.yaml --ks 1 --idle-decays 1.0
+    python -m loadtest.bench.k_modes --config configs/cpu-eagle.yaml --ks 1 --unpriced-catch-up
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--idle-decays", default="",
                     help="extra adaptive modes, one per k_state.IDLE_DECAY value")  # fmt: skip
+    ap.add_argument("--unpriced-catch-up", action="store_true",
+                    help="an adaptive mode that does not price the catch-up")  # fmt: skip
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,9 +65,15 @@ def main(argv=None) -> None:
     for d in (float(x) for x in a.idle_decays.split(",") if x):
         modes[f"adaptive idle {d}"] = SpecParams()
         decay[f"adaptive idle {d}"] = d
+    ctl = engine.controller
+    cap = {"adaptive": getattr(ctl, "catch_up_cap", 0)}  # k_control.py "Catch-up", per mode
+    if a.unpriced_catch_up:
+        modes["adaptive, catch-up unpriced"] = SpecParams()
+        cap["adaptive, catch-up unpriced"] = 0
 
     def generate(p, m):
         k_state.IDLE_DECAY = decay.get(m, decay["adaptive"])
+        ctl.catch_up_cap = cap.get(m, cap["adaptive"])
         return engine.generate([p], params, modes[m])
 
     for p in prompts[:2]:  # warm: first calls, the controller's calibration
@@ -79,14 +88,14 @@ def main(argv=None) -> None:
             t[0] += time.perf_counter() - t0
             t[1] += len(s.output_ids)
             t[2] += s.target_passes
-    k_state.IDLE_DECAY = decay["adaptive"]
+    k_state.IDLE_DECAY, ctl.catch_up_cap = decay["adaptive"], cap["adaptive"]
     plain = totals["plain"][1] / totals["plain"][0]
     print(f"{a.config}, c = 1, {a.prompts} prompts x {a.max_tokens} tokens, greedy, interleaved")
     rows = {}
     for m, (sec, tok, passes) in totals.items():
         r = rows[m] = dict(tok_s=tok / sec, x_plain=tok / sec / plain, tok_per_pass=tok / passes,
                            ms_per_round=sec / passes * 1e3)  # fmt: skip
-        print(f"  {m:18s} {r['tok_s']:7.1f} tok/s  x plain {r['x_plain']:.3f}  "
+        print(f"  {m:30s} {r['tok_s']:7.1f} tok/s  x plain {r['x_plain']:.3f}  "
               f"tokens/pass {r['tok_per_pass']:.2f}  ms/round {r['ms_per_round']:.2f}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:

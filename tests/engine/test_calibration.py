@@ -17,10 +17,10 @@ class Recorder:
         self.shape = lambda batch, q: (batch, q)
         self.points, self.steps = [], []
 
-    def observe(self, batch, width, steps, rest_s, draft_s):
+    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0):
         pass
 
-    def predict(self, batch, width, steps):
+    def predict(self, batch, width, steps, catch_up=0):
         return 1.0
 
     def add_calibration(self, batch, width, seconds):
@@ -113,7 +113,7 @@ def test_adaptive_calibrates_once_it_has_a_free_slot(runners):
     ctrl.calibrate(target, draft, target.cache.free_slots())
     assert ctrl.calibrated and isinstance(ctrl.cost, RoundCost)
     # calibration points sit in the fit (times themselves vary with load: not compared)
-    assert ctrl.cost.rest.b_fixed[0] > 0 and ctrl.cost.step.b_fixed[0] > 0
+    assert ctrl.cost.rest.b_fixed[0] > 0 and ctrl.cost.draft.b_fixed[0] > 0
     assert ctrl.cost.observed == 0
     assert_all_free(target, draft)
 

@@ -252,10 +252,10 @@ def test_adaptive_accepts_any_cost_model():
     class Flat:
         shape = staticmethod(lambda batch, q: (batch, q))
 
-        def observe(self, batch, width, steps, rest_s, draft_s):
+        def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0):
             pass
 
-        def predict(self, batch, width, steps):
+        def predict(self, batch, width, steps, catch_up=0):
             return 1.0  # drafting is free: the widest width wins
 
         def add_calibration(self, batch, width, seconds):
@@ -287,6 +287,7 @@ def test_builder_tells_the_controller_which_drafters_always_propose():
     d = SimpleNamespace(controller="adaptive", k_max=4, min_gain=0.01, probe_interval=2,
                         probe_k=2, probe_budget=0.02)  # fmt: skip
     for samples in (True, False):  # a model drafter samples and always proposes; n-gram neither
-        drafter = SimpleNamespace(samples=samples, steps=lambda w: w)
+        drafter = SimpleNamespace(samples=samples, steps=lambda w: w, catch_up_cap=7)
         ctrl = make_controller(d, drafter)
         assert isinstance(ctrl, AdaptiveK) and ctrl.always_drafts is samples
+        assert ctrl.catch_up_cap == 7

@@ -62,3 +62,18 @@ def test_the_first_verified_token_is_priced_apart():
     for w in (0, 3, 7):
         assert cost.predict(1, w, 0) == pytest.approx(measured[w + 1], abs=3e-4)
     assert cost.predict(1, 2, 0) == pytest.approx(cost.predict(1, 3, 0))  # pads to 4 tokens
+
+
+def test_the_draft_phase_fit_separates_steps_from_catch_up():
+    """Draft phase = s·(d + e·B) + g·C: rounds that took in C skipped positions first do not
+    inflate the per-step cost, and the catch-up is priced on its own."""
+    d, e, g = 0.002, 0.0001, 0.00004
+    cost = RoundCost()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        batch, steps = int(rng.integers(1, 32)), int(rng.integers(1, 5))
+        catch_up = int(rng.integers(0, 400)) if rng.random() < 0.2 else 0  # probes now and then
+        cost.observe(batch, 1, steps, 0.05, steps * (d + e * batch) + g * catch_up, catch_up)
+    got = cost.predict(8, 1, 2, 100) - cost.predict(8, 1, 0)
+    assert got == pytest.approx(2 * (d + e * 8) + g * 100, rel=1e-3)
+    assert cost.predict(8, 1, 2) - cost.predict(8, 1, 0) == pytest.approx(2 * (d + e * 8), 1e-3)
