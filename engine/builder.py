@@ -55,7 +55,6 @@ def make_controller(d, drafter) -> KController:
             probe_k=d.probe_k,
             probe_budget=d.probe_budget,
             always_drafts=drafter.samples,  # a model (head, draft model) proposes whenever asked
-            catch_up_cap=drafter.catch_up_cap,
         )
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)

@@ -28,7 +28,8 @@ def calibrate(
     repeats: int = 2,
 ) -> None:
     """Time the target's forward at a few (B, w) (B = 1 and up to 4 free slots; w + 1 query
-    tokens after a ``prefix``-token context) and the draft model's one-token step, and add them
+    tokens after a ``prefix``-token context) and the draft model's step (one token a row, and
+    eight: a catch-up of seven), and add them
     to ``cost`` as fixed pseudo-observations (best of ``repeats`` after one warm-up forward).
 
     The default widths are one per verify shape of the configs' fast path (q buckets 1, 2, 4
@@ -65,8 +66,9 @@ def calibrate(
         for b in sorted({1, len(slots)}):
             for w in widths:
                 cost.add_calibration(b, w, timed(target, b, w + 1))
-            if draft is not None:
+            if draft is not None:  # a draft step, and one that first catches up 7 tokens a row
                 cost.add_step_calibration(b, timed(draft, b, 1))
+                cost.add_step_calibration(b, timed(draft, b, 8), catch_up=7 * b)
     finally:
         for r in runners:
             for s in slots:

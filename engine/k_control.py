@@ -41,12 +41,12 @@ At K* = 0 nothing is observed and α could never recover when the text turns pre
 and each round at K = 0 ages a row's evidence (k_state.py), so an estimate that stopped drafting
 at a dip returns towards the prior instead of waiting for the probe.
 
-Catch-up: a stateful drafter (a draft model, an EAGLE head) first takes in what it skipped at
-K = 0, Σ_i min(idle_i, ``catch_up_cap``) positions (idle_i: the row's rounds since it last
-drafted), priced by the cost model (round_cost.py) and added once to T(B, w) for every w > 0,
-probes included. Where catching up a skipped round costs more than ``probe_budget`` of a round (a
-draft model, unbounded, at a large batch) no probe fits the budget and the batch stays plain
-until rows with a shorter backlog replace it; an EAGLE head keeps at most 2·WINDOW positions.
+Catch-up: a stateful drafter (a draft model, an EAGLE head) first takes in what its state missed,
+Σ_i backlog_i positions beyond one a row (drafters/base.py ``backlog``, read after each commit),
+priced by the cost model (round_cost.py) and added once to T(B, w) for every w > 0, probes
+included (``price_catch_up``). Where catching up a skipped round costs more than ``probe_budget``
+of a round (a draft model, unbounded, at a large batch) no probe fits the budget and the batch
+stays plain until rows with a shorter backlog replace it; an EAGLE head keeps < 2·WINDOW.
 
 Reproducibility
 ---------------
@@ -111,9 +111,12 @@ class KController:
     def observe(self, seq: Sequence, k: int, stats: RoundStats, next_cap: int | None) -> None:
         """``next_cap``: the row's cap for the next round, None when it just finished."""
 
-    def end_round(self, batch: int, width: int, steps: int, rest_s: float, draft_s: float) -> None:
-        """The round's rows, padded draft width and drafter's sequential steps, and its measured
-        times (the round without its draft phase, the draft phase)."""
+    def end_round(
+        self, batch: int, width: int, steps: int, rest_s: float, draft_s: float, catch_up: int = 0
+    ) -> None:
+        """The round's rows, padded draft width and drafter's sequential steps, its measured
+        times (the round without its draft phase, the draft phase) and the positions beyond one
+        a row its drafter took in first (Σ backlog_i of the drafting rows)."""
 
 
 def pinned_k(seq: Sequence, cap: int) -> int | None:
@@ -183,13 +186,12 @@ class AdaptiveK(KController):
         probe_budget: float = 0.02,
         cost: CostModel | None = None,
         always_drafts: bool = False,
-        catch_up_cap: int = 0,
+        price_catch_up: bool = True,
     ):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
         self.always_drafts = always_drafts  # m = 1: the drafter proposes whenever asked
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
-        self.catch_up_cap = catch_up_cap  # most skipped rounds a row's catch-up takes in
-        self._catch_up = 0  # this round's: Σ over its drafting rows of min(idle_i, cap)
+        self.price_catch_up = price_catch_up  # False: fitted, not priced (a benchmark's mode)
         self.probe_interval, self.probe_k, self.probe_budget = probe_interval, probe_k, probe_budget
         self.cost: CostModel = cost or RoundCost()
         self.widths = np.arange(k_max + 1)  # [K_max + 1] candidate widths w
@@ -204,7 +206,7 @@ class AdaptiveK(KController):
         self._rows = 0
         self._pinned_width = 0
         self._p_none = 1.0  # Π_i (1 - m_i): the chance that no row finds a draft
-        self._backlog = 0  # Σ_i min(idle_i, catch_up_cap) of the adaptive rows: a probe's catch-up
+        self._states: list[KState] = []  # the adaptive rows': their backlog is read at _decide
 
     # -- the engine's calls ---------------------------------------------------------------------
     def k_for(self, seq, cap):
@@ -222,8 +224,6 @@ class AdaptiveK(KController):
 
     def observe(self, seq, k, stats, next_cap):
         st = seq.kstate
-        if k > 0:
-            self._catch_up += min(st.idle, self.catch_up_cap)
         st.update(k, stats.drafted, stats.accepted, self.decay)
         if next_cap is not None:
             self._add_row(st, pinned_k(seq, next_cap), next_cap)
@@ -236,16 +236,15 @@ class AdaptiveK(KController):
             self._p_none *= 1.0 - match
         if pinned is None:
             self._adaptive.append((st.alpha, match, cap))
-            self._backlog += min(st.idle, self.catch_up_cap)
+            self._states.append(st)
         elif pinned == 0:
             self._pinned_tokens += 1.0
         else:
             self._pinned_tokens += float(expected_tokens(st.alpha, match, np.array(pinned)))
             self._pinned_width = max(self._pinned_width, pinned)
 
-    def end_round(self, batch, width, steps, rest_s, draft_s):
-        self.cost.observe(batch, width, steps, rest_s, draft_s, self._catch_up)
-        self._catch_up = 0
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0):
+        self.cost.observe(batch, width, steps, rest_s, draft_s, catch_up)
         if self._rows:
             self._k_next = self._decide()
         self._reset_sums()
@@ -272,10 +271,11 @@ class AdaptiveK(KController):
                 for w in widths
             ]
         )
-        if self._backlog and len(widths) > 1:  # a stateful drafter's catch-up, once (w > 0)
+        backlog = sum(st.backlog for st in self._states) if self.price_catch_up else 0
+        if backlog and self.k_max:  # a stateful drafter's catch-up, once, where adaptive rows draft
             w, steps = int(widths[1]), self.steps_per_width(int(widths[1]))
-            catch_up = self.cost.predict(batch, w, steps, self._backlog)
-            seconds[widths > 0] += catch_up - self.cost.predict(batch, w, steps)
+            catch_up = self.cost.predict(batch, w, steps, backlog)
+            seconds[self.widths > 0] += catch_up - self.cost.predict(batch, w, steps)
         plain = self.cost.predict(batch, 0, 0)
         seconds = plain + (1.0 - self._p_none) * (seconds - plain)  # T̄: rounds without a draft
         tokens = np.full(len(widths), self._pinned_tokens)  # Σ_i E_i(min(w, cap_i)) per w

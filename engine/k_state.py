@@ -42,7 +42,7 @@ class KState:
     matched: float = 0.0  # decayed rounds with K > 0 in which the drafter proposed something
     asked: float = 0.0  # decayed rounds with K > 0
     heuristic_k: int | None = None  # HeuristicK's current K
-    idle: int = 0  # rounds since the row last asked for a draft (a stateful drafter's backlog)
+    backlog: int = 0  # positions beyond one the drafter would take in first (set after commit)
 
     @property
     def alpha(self) -> float:
@@ -59,9 +59,7 @@ class KState:
         and had ``accepted`` of them accepted (0 <= accepted <= drafted)."""
         if asked_k <= 0:  # nothing observed; the evidence ages (IDLE_DECAY a round)
             self.acc, self.rej = IDLE_DECAY * self.acc, IDLE_DECAY * self.rej
-            self.idle += 1
             return
-        self.idle = 0
         self.matched = decay * self.matched + (drafted > 0)
         self.asked = decay * self.asked + 1.0
         if drafted > 0:

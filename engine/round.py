@@ -75,8 +75,9 @@ class Speculator:
         # 2. propose
         clock = PhaseClock(self.device)  # the draft and verify phases' device time
         clock.mark()
-        prop = None
+        prop, catch_up = None, 0  # catch_up: positions beyond one a row the drafter takes in first
         if self.drafter is not None and any(asked):
+            catch_up = sum(s.kstate.backlog for s, k in zip(seqs, asked) if k)
             prop = self.drafter.propose(seqs, replace(plan, ks=asked))
         if prop is not None:
             drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs  # [batch, K]
@@ -128,16 +129,21 @@ class Speculator:
         if self.drafter is not None:
             live = [s for s in seqs if s.status is Status.RUNNING and s.spec.enabled]
             self.drafter.commit(live)
+            for s in live:
+                s.kstate.backlog = self.drafter.backlog(s)
         t3 = time.perf_counter()
         width = max(asked)  # the drafter's own steps: forced runs cost it none
         steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
-        self.controller.end_round(len(seqs), kmax, steps, (t3 - t_start) - draft_s, draft_s)
+        rest_s = (t3 - t_start) - draft_s
+        self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up)
         return outputs
 
     def first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Sample each new sequence's first token from its prefill's last logits [new, vocab]."""
         if self.drafter is not None:
             self.drafter.add(seqs, lazy=not self.controller.expects_drafts())
+            for s in seqs:
+                s.kstate.backlog = self.drafter.backlog(s) if s.spec.enabled else 0
         plan = self._plan(seqs, [0] * len(seqs))
         empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
         logits = self._process(logits[:, None], seqs, empty, [0] * len(seqs))  # [new, 1, vocab]

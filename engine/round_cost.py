@@ -12,10 +12,11 @@ One round of a batch of B rows whose widest draft is w tokens costs
   ``ModelRunner.padded_shape``), ``shape`` maps them to the padded values first: widths that pad
   to one verify shape are priced alike;
 - the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each, plus
-  g·C for its catch-up: C positions, summed over the rows, that a stateful drafter (a draft
-  model, an EAGLE head) takes in for rounds in which the row did not draft. A probe after a
-  stretch at K = 0 pays it at once; a draft model's catch-up has no bound (every token it
-  missed), so at a large batch a probe may cost more than the rounds it could save.
+  g·C for its catch-up: C positions beyond one a row, summed over the drafting rows, that a
+  stateful drafter (a draft model, an EAGLE head) takes in first (drafters/base.py ``backlog``):
+  what its state missed while the row did not draft. A probe after a stretch at K = 0 pays it
+  at once; a draft model's catch-up has no bound (every token it missed), so at a large batch
+  a probe may cost more than the rounds it could save.
 
 Fit: exponentially weighted least squares over every round's measured times: the round without its
 draft phase on features [1, B, B·w, B·[w > 0]], the draft phase on [s, s·B, C]. Start-up
@@ -55,8 +56,9 @@ class CostModel(Protocol):
     def add_calibration(self, batch: int, width: int, seconds: float) -> None:
         """A fixed point: a target forward of ``batch`` rows of ``width + 1`` tokens."""
 
-    def add_step_calibration(self, batch: int, seconds: float) -> None:
-        """A fixed point: one draft step of ``batch`` rows."""
+    def add_step_calibration(self, batch: int, seconds: float, catch_up: int = 0) -> None:
+        """A fixed point: one draft step of ``batch`` rows that took in ``catch_up`` positions
+        beyond one a row first."""
 
 
 class EWLeastSquares:
@@ -119,8 +121,8 @@ class RoundCost:
     def add_calibration(self, batch: int, width: int, seconds: float) -> None:
         self.rest.add_fixed(self._rest_x(batch, width), seconds, CALIBRATION_WEIGHT)
 
-    def add_step_calibration(self, batch: int, seconds: float) -> None:
-        self.draft.add_fixed((1.0, batch, 0.0), seconds, CALIBRATION_WEIGHT)
+    def add_step_calibration(self, batch: int, seconds: float, catch_up: int = 0) -> None:
+        self.draft.add_fixed((1.0, batch, catch_up), seconds, CALIBRATION_WEIGHT)
 
     def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0):
         self.observed += 1

@@ -53,10 +53,10 @@ class Drafter(Protocol):
         """Sequential drafting steps to propose ``width`` tokens (the K controller's cost)."""
         ...
 
-    @property
-    def catch_up_cap(self) -> int:
-        """The most skipped rounds (at K = 0) a row's next ``propose`` takes in first, one
-        position each (0: a stateless drafter; the K controller prices a probe's catch-up)."""
+    def backlog(self, seq: Sequence) -> int:
+        """Positions beyond one that the row's next ``propose`` would take in first: what its
+        state missed while the row did not draft (0: a stateless drafter). The K controller
+        prices this catch-up."""
         ...
 
     def observe(
@@ -103,7 +103,9 @@ class DrafterBase:
     samples: bool = False
     runner: ModelRunner | None = None
     taps: tuple[int, ...] = ()
-    catch_up_cap: int = 0
+
+    def backlog(self, seq: Sequence) -> int:
+        return 0
 
     def steps(self, width: int) -> int:
         return width

@@ -17,11 +17,10 @@ Bookkeeping (N = the sequence's token count; the target has computed features fo
     the previous draft at the next position. d_K is never fed.
   * ``commit`` rolls the cache back to ``real`` and keeps only the pending features of
     positions < N - 1 (the accepted ones: a verify's rejected positions are dropped). A row
-    that gathers more than 2 ``WINDOW`` pending positions (rounds at K = 0) drops all but the
-    last ``WINDOW``, the ``skipped``; drafting again, the head takes in what is left after its real
-    positions (as if the skipped stretch were not there: drafts are proposals, output stays
-    exact). A row at K = 0 costs the head nothing, where taking every position in cost ~3% of
-    plain decoding at 8 rows on 2 cores (~40 us a position).
+    that gathers more than 2 ``WINDOW`` pending positions (rounds at K = 0) drops all but the last
+    ``WINDOW``, the ``skipped``; drafting again, the head takes in the rest after its real positions
+    (as if the skipped stretch were not there: drafts are proposals, output stays exact). K = 0
+    costs the head nothing (taking all in cost ~3% of plain decoding, 8 rows, 2 cores, ~40 us each).
 Invariant after ``commit``: ``skipped + real + len(pending) == N - 1``, so the next verify
 (which starts at position N - 1) continues ``pending`` without a gap; ``observe`` checks it.
 """
@@ -53,7 +52,6 @@ WINDOW = 16  # pending positions a row keeps at K = 0 (up to twice as many); old
 
 class EagleDrafter(DrafterBase):
     name, samples = "eagle3", True
-    catch_up_cap = 2 * WINDOW  # the most pending positions a row can have (commit drops older)
 
     def __init__(
         self, head: Eagle3Head, embed: torch.nn.Module, num_slots: int, max_len: int, vocab: int
@@ -119,14 +117,16 @@ class EagleDrafter(DrafterBase):
     def fork(self, src: Sequence, dst: Sequence) -> None:
         if dst.spec.enabled and src.slot in self.pending:  # the prompt's features, shared
             self.pending[dst.slot] = list(self.pending[src.slot])
-            self.pending_n[dst.slot] = self.pending_n[src.slot]
-            self.real[dst.slot] = self.real[src.slot]
-            self.skipped[dst.slot] = self.skipped[src.slot]
+            for d in (self.pending_n, self.real, self.skipped):
+                d[dst.slot] = d[src.slot]
 
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)
         for d in (self.pending, self.pending_n, self.real, self.skipped):
             d.pop(seq.slot, None)
+
+    def backlog(self, seq: Sequence) -> int:  # up to 2·WINDOW - 1: commit drops older ones
+        return max(self.pending_n.get(seq.slot, 0) - 1, 0)
 
     def commit(self, seqs: list[Sequence]) -> None:
         for s in seqs:

@@ -52,6 +52,9 @@ class GuardedDrafter:
     def commit(self, seqs: list[Sequence]) -> None:
         self._guard("commit", seqs, lambda: self.inner.commit(seqs))
 
+    def backlog(self, seq: Sequence) -> int:
+        return self._guard("backlog", [seq], lambda: self.inner.backlog(seq)) or 0
+
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal | None:
         """The drafter's proposal for ``seqs`` (all rows of the round), or None: a plain round."""
         drafting = [s for s, k in zip(seqs, plan.ks) if k]

@@ -32,7 +32,7 @@ class HybridDrafter(DrafterBase):
         if not 1 <= min_match <= max_n:
             raise ValueError("need 1 <= ngram_fallback <= ngram_max")
         self.eagle, self.min_match, self.max_n = eagle, min_match, max_n
-        self.taps, self.catch_up_cap = eagle.taps, eagle.catch_up_cap
+        self.taps = eagle.taps
         self.copied = 0  # rows drafted by the n-gram lookup, for tests and benchmarks
         self.headed = 0  # rows drafted by the head
         self.last_copied: list[int] = []  # the last proposal's copied rows
@@ -55,6 +55,9 @@ class HybridDrafter(DrafterBase):
 
     def warm_up(self) -> None:
         self.eagle.warm_up()
+
+    def backlog(self, seq: Sequence) -> int:
+        return self.eagle.backlog(seq)
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks = list(plan.ks)

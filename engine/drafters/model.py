@@ -40,7 +40,6 @@ def check_same_vocab(target_tok, draft_tok) -> None:
 
 class ModelDrafter(DrafterBase):
     samples = True
-    catch_up_cap = 1 << 20  # no bound: the catch-up feed takes in every token the draft missed
     runner: ModelRunner
 
     def __init__(self, runner: ModelRunner, vocab_size: int, name: str = "draft_model"):
@@ -73,6 +72,10 @@ class ModelDrafter(DrafterBase):
 
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)
+
+    def backlog(self, seq: Sequence) -> int:
+        """The catch-up feed beyond one token: no bound, every token the draft model missed."""
+        return max(seq.num_tokens - self.cache.lengths[seq.slot] - 1, 0)
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks, noise = plan.ks, plan.draft_noise

@@ -66,14 +66,14 @@ def main(argv=None) -> None:
         modes[f"adaptive idle {d}"] = SpecParams()
         decay[f"adaptive idle {d}"] = d
     ctl = engine.controller
-    cap = {"adaptive": getattr(ctl, "catch_up_cap", 0)}  # k_control.py "Catch-up", per mode
+    priced = {"adaptive": True}  # k_control.py "Catch-up", per mode (fitted either way)
     if a.unpriced_catch_up:
         modes["adaptive, catch-up unpriced"] = SpecParams()
-        cap["adaptive, catch-up unpriced"] = 0
+        priced["adaptive, catch-up unpriced"] = False
 
     def generate(p, m):
         k_state.IDLE_DECAY = decay.get(m, decay["adaptive"])
-        ctl.catch_up_cap = cap.get(m, cap["adaptive"])
+        ctl.price_catch_up = priced.get(m, True)
         return engine.generate([p], params, modes[m])
 
     for p in prompts[:2]:  # warm: first calls, the controller's calibration
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
             t[0] += time.perf_counter() - t0
             t[1] += len(s.output_ids)
             t[2] += s.target_passes
-    k_state.IDLE_DECAY, ctl.catch_up_cap = decay["adaptive"], cap["adaptive"]
+    k_state.IDLE_DECAY, ctl.price_catch_up = decay["adaptive"], True
     plain = totals["plain"][1] / totals["plain"][0]
     print(f"{a.config}, c = 1, {a.prompts} prompts x {a.max_tokens} tokens, greedy, interleaved")
     rows = {}

@@ -26,8 +26,8 @@ class Recorder:
     def add_calibration(self, batch, width, seconds):
         self.points.append((batch, width, seconds))
 
-    def add_step_calibration(self, batch, seconds):
-        self.steps.append((batch, seconds))
+    def add_step_calibration(self, batch, seconds, catch_up=0):
+        self.steps.append((batch, seconds, catch_up))
 
 
 @pytest.fixture
@@ -48,8 +48,8 @@ def test_adds_points_at_the_calibration_shapes(runners):
     cost = Recorder()
     calibrate(cost, target, draft, target.cache.free_slots())
     assert [(b, w) for b, w, _ in cost.points] == [(b, w) for b in (1, 4) for w in (0, 1, 3, 7)]
-    assert [b for b, _ in cost.steps] == [1, 4]
-    assert all(s > 0 for *_, s in cost.points + cost.steps)
+    assert [(b, c) for b, _, c in cost.steps] == [(1, 0), (1, 7), (4, 0), (4, 28)]  # catch-ups
+    assert all(s > 0 for *_, s in cost.points) and all(s > 0 for _, s, _ in cost.steps)
     assert_all_free(target, draft)
 
 
@@ -72,7 +72,7 @@ def test_every_timed_forward_goes_through_engine_timing(runners, monkeypatch):
         monkeypatch.setattr(r, "forward", counting)
     monkeypatch.setattr(engine.timing, "synchronize", sync)
     calibrate(Recorder(), target, draft, [0, 1], repeats=2)
-    timed_shapes = 2 * (4 + 1)  # batches {1, 2} x (4 target widths + 1 draft step)
+    timed_shapes = 2 * (4 + 2)  # batches {1, 2} x (4 target widths + 2 draft steps)
     assert len(synced) == 2 * 2 * timed_shapes  # before and after each of 2 timed repeats
     assert all(d == target.device for d in synced)
     # 2 context forwards per runner, then 1 warm-up + 2 timed forwards per shape

@@ -259,6 +259,7 @@ class PlainThenK(FixedK):
     def __init__(self, plain: int, k: int, eager: bool):
         super().__init__(k)
         self.plain, self.eager = plain, eager
+        self.catch_ups: list[int] = []  # end_round's catch_up, per round
 
     def k_for(self, seq, cap):
         return 0 if self.plain > 0 else super().k_for(seq, cap)
@@ -266,8 +267,9 @@ class PlainThenK(FixedK):
     def expects_drafts(self):
         return self.eager or self.plain <= 0
 
-    def end_round(self, batch, width, steps, rest_s, draft_s):
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0):
         self.plain -= 1
+        self.catch_ups.append(catch_up)
 
 
 @pytest.mark.parametrize("eager", [True, False])
@@ -281,7 +283,7 @@ def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target, eager):
     ps = prompts(3, seed=5)
     refs = [helpers.engine_for(target, None, slots=4).generate([p], g)[0].output_ids for p in ps]
     engine = helpers.engine_for(target, "eagle3", 4, max_len=256, head=head)
-    engine.speculator.controller = PlainThenK(2 * WINDOW + 12, 3, eager)
+    engine.speculator.controller = ctl = PlainThenK(2 * WINDOW + 12, 3, eager)
     d = engine.drafter
     assert isinstance(d, EagleDrafter)
     ingested: list[int] = []
@@ -295,6 +297,12 @@ def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target, eager):
         engine.step()
     assert len(ingested) == added
     assert all(d.skipped[s.slot] > 0 and d.pending_n[s.slot] <= 2 * WINDOW for s in seqs)
+    # the backlog the K controller prices: what the first draft takes in beyond one a row
+    assert all(s.kstate.backlog == d.pending_n[s.slot] - 1 > 0 for s in seqs)
+    while len(ingested) == added:  # up to the first drafting round
+        backlog = sum(s.kstate.backlog for s in seqs)
+        engine.step()
+    assert ingested[added] == backlog + len(seqs) and ctl.catch_ups[-1] == backlog
     while engine.has_work():
         engine.step()
         for s in (s for s in seqs if s.slot >= 0 and s.slot in d.real):

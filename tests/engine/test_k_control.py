@@ -261,7 +261,7 @@ def test_adaptive_accepts_any_cost_model():
         def add_calibration(self, batch, width, seconds):
             pass
 
-        def add_step_calibration(self, batch, seconds):
+        def add_step_calibration(self, batch, seconds, catch_up=0):
             pass
 
     ctrl = AdaptiveK(5, cost=Flat())
@@ -287,7 +287,6 @@ def test_builder_tells_the_controller_which_drafters_always_propose():
     d = SimpleNamespace(controller="adaptive", k_max=4, min_gain=0.01, probe_interval=2,
                         probe_k=2, probe_budget=0.02)  # fmt: skip
     for samples in (True, False):  # a model drafter samples and always proposes; n-gram neither
-        drafter = SimpleNamespace(samples=samples, steps=lambda w: w, catch_up_cap=7)
+        drafter = SimpleNamespace(samples=samples, steps=lambda w: w)
         ctrl = make_controller(d, drafter)
         assert isinstance(ctrl, AdaptiveK) and ctrl.always_drafts is samples
-        assert ctrl.catch_up_cap == 7
