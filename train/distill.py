@@ -54,6 +54,8 @@ def still_to_answer(
     for conv_id, text in turns:
         if limit and len(found) + len(done) >= limit:
             break
+        if eligible >= offset and conv_id in done:
+            continue  # past the offset an answered prompt needs no encoding
         ids = encode(conv_id, text)
         if len(ids) > max_prompt:
             continue
