@@ -42,7 +42,7 @@ and each round at K = 0 ages a row's evidence (k_state.py), so an estimate that 
 at a dip returns towards the prior instead of waiting for the probe.
 
 Catch-up: a stateful drafter (a draft model, an EAGLE head) first takes in what its state missed,
-Σ_i backlog_i positions beyond one a row (drafters/base.py ``backlog``, read after each commit),
+Σ_i backlog_i positions beyond one a row (drafters/base.py ``backlogs``, read after each commit),
 priced by the cost model (round_cost.py) and added once to T(B, w) for every w > 0, probes
 included (``price_catch_up``). Where catching up a skipped round costs more than ``probe_budget``
 of a round (a draft model, unbounded, at a large batch) no probe fits the budget and the batch

@@ -129,8 +129,7 @@ class Speculator:
         if self.drafter is not None:
             live = [s for s in seqs if s.status is Status.RUNNING and s.spec.enabled]
             self.drafter.commit(live)
-            for s in live:
-                s.kstate.backlog = self.drafter.backlog(s)
+            self._note_backlogs(live)
         t3 = time.perf_counter()
         width = max(asked)  # the drafter's own steps: forced runs cost it none
         steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
@@ -138,12 +137,18 @@ class Speculator:
         self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up)
         return outputs
 
+    def _note_backlogs(self, seqs: list[Sequence]) -> None:
+        """Each row's drafter backlog, read once its drafter state changed (k_control.py prices
+        the catch-up; the next round sums it over its drafting rows)."""
+        assert self.drafter is not None
+        for s, n in zip(seqs, self.drafter.backlogs(seqs)):
+            s.kstate.backlog = n
+
     def first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
         """Sample each new sequence's first token from its prefill's last logits [new, vocab]."""
         if self.drafter is not None:
             self.drafter.add(seqs, lazy=not self.controller.expects_drafts())
-            for s in seqs:
-                s.kstate.backlog = self.drafter.backlog(s) if s.spec.enabled else 0
+            self._note_backlogs([s for s in seqs if s.spec.enabled])
         plan = self._plan(seqs, [0] * len(seqs))
         empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
         logits = self._process(logits[:, None], seqs, empty, [0] * len(seqs))  # [new, 1, vocab]

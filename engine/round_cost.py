@@ -13,7 +13,7 @@ One round of a batch of B rows whose widest draft is w tokens costs
   to one verify shape are priced alike;
 - the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each, plus
   g·C for its catch-up: C positions beyond one a row, summed over the drafting rows, that a
-  stateful drafter (a draft model, an EAGLE head) takes in first (drafters/base.py ``backlog``):
+  stateful drafter (a draft model, an EAGLE head) takes in first (drafters/base.py ``backlogs``):
   what its state missed while the row did not draft. A probe after a stretch at K = 0 pays it
   at once; a draft model's catch-up has no bound (every token it missed), so at a large batch
   a probe may cost more than the rounds it could save.

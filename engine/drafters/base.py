@@ -53,9 +53,9 @@ class Drafter(Protocol):
         """Sequential drafting steps to propose ``width`` tokens (the K controller's cost)."""
         ...
 
-    def backlog(self, seq: Sequence) -> int:
-        """Positions beyond one that the row's next ``propose`` would take in first: what its
-        state missed while the row did not draft (0: a stateless drafter). The K controller
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:
+        """Per row, the positions beyond one that its next ``propose`` would take in first: what
+        its state missed while the row did not draft (0: a stateless drafter). The K controller
         prices this catch-up."""
         ...
 
@@ -104,8 +104,8 @@ class DrafterBase:
     runner: ModelRunner | None = None
     taps: tuple[int, ...] = ()
 
-    def backlog(self, seq: Sequence) -> int:
-        return 0
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:
+        return [0] * len(seqs)
 
     def steps(self, width: int) -> int:
         return width

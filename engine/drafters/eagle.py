@@ -125,8 +125,8 @@ class EagleDrafter(DrafterBase):
         for d in (self.pending, self.pending_n, self.real, self.skipped):
             d.pop(seq.slot, None)
 
-    def backlog(self, seq: Sequence) -> int:  # up to 2·WINDOW - 1: commit drops older ones
-        return max(self.pending_n.get(seq.slot, 0) - 1, 0)
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:  # < 2·WINDOW: commit drops older
+        return [max(self.pending_n.get(s.slot, 0) - 1, 0) for s in seqs]
 
     def commit(self, seqs: list[Sequence]) -> None:
         for s in seqs:

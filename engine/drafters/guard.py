@@ -52,8 +52,8 @@ class GuardedDrafter:
     def commit(self, seqs: list[Sequence]) -> None:
         self._guard("commit", seqs, lambda: self.inner.commit(seqs))
 
-    def backlog(self, seq: Sequence) -> int:
-        return self._guard("backlog", [seq], lambda: self.inner.backlog(seq)) or 0
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:
+        return self._guard("backlogs", seqs, lambda: self.inner.backlogs(seqs)) or [0] * len(seqs)
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal | None:
         """The drafter's proposal for ``seqs`` (all rows of the round), or None: a plain round."""

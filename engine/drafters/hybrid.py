@@ -56,8 +56,8 @@ class HybridDrafter(DrafterBase):
     def warm_up(self) -> None:
         self.eagle.warm_up()
 
-    def backlog(self, seq: Sequence) -> int:
-        return self.eagle.backlog(seq)
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:
+        return self.eagle.backlogs(seqs)
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks = list(plan.ks)

@@ -73,9 +73,9 @@ class ModelDrafter(DrafterBase):
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)
 
-    def backlog(self, seq: Sequence) -> int:
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:
         """The catch-up feed beyond one token: no bound, every token the draft model missed."""
-        return max(seq.num_tokens - self.cache.lengths[seq.slot] - 1, 0)
+        return [max(s.num_tokens - self.cache.lengths[s.slot] - 1, 0) for s in seqs]
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks, noise = plan.ks, plan.draft_noise
