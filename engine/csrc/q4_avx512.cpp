@@ -27,6 +27,10 @@
 namespace {
 
 constexpr int64_t kBlock = 320;  // bytes per 16 columns x 32 inputs
+// Groups ahead that a tile asks the cache for (5 KiB): the hardware prefetcher alone left a decode
+// waiting on memory (loadtest.bench.q4_prefetch; loadtest/results/bench_q4_prefetch.txt). A
+// prefetch past the buffer's end is harmless, and none changes a result.
+constexpr int64_t kAhead = 16;
 
 // Rows [0, M) (M <= 8) x one block of 16 columns: the weights are read once, in order (one
 // stream per thread, which the hardware prefetcher follows: tiles of 2-4 column blocks, four
@@ -34,7 +38,7 @@ constexpr int64_t kBlock = 320;  // bytes per 16 columns x 32 inputs
 // (k0+2, k0+3), whatever M: the order of the sums never depends on the batch.
 template <int M>
 inline void tile(const uint32_t* xw, int64_t kw, const float* xs, int64_t G, const uint8_t* w,
-                 at::BFloat16* y, int64_t n) {
+                 at::BFloat16* y, int64_t n, int64_t ahead) {
   const __m512i lo4 = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -42,6 +46,10 @@ inline void tile(const uint32_t* xw, int64_t kw, const float* xs, int64_t G, con
     __m512 a0[M], a1[M];
     for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
     const uint8_t* blk = w + g * kBlock;
+    if (ahead) {
+      const char* next = reinterpret_cast<const char*>(blk + ahead * kBlock);
+      for (int c = 0; c < kBlock; c += 64) _mm_prefetch(next + c, _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m512i v = _mm512_cvtepu8_epi16(
@@ -68,20 +76,20 @@ inline void tile(const uint32_t* xw, int64_t kw, const float* xs, int64_t G, con
 
 // Rows [0, mm) (mm <= 8) x column blocks [b0, b1).
 void rows(int64_t mm, const uint32_t* xw, int64_t kw, const float* xs, int64_t G,
-          const uint8_t* w, int64_t b0, int64_t b1, at::BFloat16* y, int64_t n) {
+          const uint8_t* w, int64_t b0, int64_t b1, at::BFloat16* y, int64_t n, int64_t ahead) {
   const int64_t stride = G * kBlock;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* wb = w + b * stride;
     at::BFloat16* yb = y + b * 16;
     switch (mm) {
-      case 1: tile<1>(xw, kw, xs, G, wb, yb, n); break;
-      case 2: tile<2>(xw, kw, xs, G, wb, yb, n); break;
-      case 3: tile<3>(xw, kw, xs, G, wb, yb, n); break;
-      case 4: tile<4>(xw, kw, xs, G, wb, yb, n); break;
-      case 5: tile<5>(xw, kw, xs, G, wb, yb, n); break;
-      case 6: tile<6>(xw, kw, xs, G, wb, yb, n); break;
-      case 7: tile<7>(xw, kw, xs, G, wb, yb, n); break;
-      default: tile<8>(xw, kw, xs, G, wb, yb, n); break;
+      case 1: tile<1>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      case 2: tile<2>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      case 3: tile<3>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      case 4: tile<4>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      case 5: tile<5>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      case 6: tile<6>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      case 7: tile<7>(xw, kw, xs, G, wb, yb, n, ahead); break;
+      default: tile<8>(xw, kw, xs, G, wb, yb, n, ahead); break;
     }
   }
 }
@@ -100,7 +108,8 @@ void group_sums(const at::BFloat16* x, int64_t M, int64_t K, float* xs) {
     }
 }
 
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed) {
+// y = x @ W.T, asking for the weights `ahead` groups before they are read (0: never).
+at::Tensor mm_ahead(const at::Tensor& x_in, const at::Tensor& packed, int64_t ahead) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "x: bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == kBlock &&
                   packed.is_contiguous(),
@@ -119,12 +128,20 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& packed) {
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t m0 = 0; m0 < M; m0 += 8)
       rows(std::min<int64_t>(8, M - m0), xw + m0 * kw, kw, xs.data() + m0 * G, G, w, b0, b1,
-           yp + m0 * N, N);
+           yp + m0 * N, N, ahead);
   });
   return y;
 }
 
+at::Tensor mm(const at::Tensor& x, const at::Tensor& packed) { return mm_ahead(x, packed, kAhead); }
+
 }  // namespace
 
-TORCH_LIBRARY(specd_q4, m) { m.def("mm(Tensor x, Tensor packed) -> Tensor"); }
-TORCH_LIBRARY_IMPL(specd_q4, CPU, m) { m.impl("mm", &mm); }
+TORCH_LIBRARY(specd_q4, m) {
+  m.def("mm(Tensor x, Tensor packed) -> Tensor");
+  m.def("mm_ahead(Tensor x, Tensor packed, int ahead) -> Tensor");  // loadtest.bench.q4_prefetch
+}
+TORCH_LIBRARY_IMPL(specd_q4, CPU, m) {
+  m.impl("mm", &mm);
+  m.impl("mm_ahead", &mm_ahead);
+}

@@ -89,3 +89,16 @@ def test_kernel_switch_off(monkeypatch):
     finally:
         monkeypatch.undo()
         kernel_available.cache_clear()
+
+
+@needs_kernel
+def test_prefetch_distance_changes_no_result():
+    """``mm`` prefetches the weights ahead of its reads; ``mm_ahead`` at any distance (0: none,
+    or past the buffer's end) computes the same bits."""
+    q, d, m = weights(208, 1536, seed=2)
+    w = pack(q, d, m, torch.bfloat16)
+    x = torch.randn(11, 1536, dtype=torch.bfloat16)
+    ref = torch.ops.specd_q4.mm_ahead(x, w.packed, 0)
+    assert torch.equal(torch.ops.specd_q4.mm(x, w.packed), ref)
+    for ahead in (1, 16, 10_000):
+        assert torch.equal(torch.ops.specd_q4.mm_ahead(x, w.packed, ahead), ref)
