@@ -1,11 +1,14 @@
 """4-bit weight matrices (groups of 32 inputs, ``w = d * q + m``, q in 0..15: GGUF's Q4_1) and
 their matmul on CPU, by one of two kernels:
 
-- **specd's AVX-512 BF16 kernel** (``engine/csrc/q4_avx512.cpp``, op ``specd_q4::mm``), built
+- **specd's AVX-512 VNNI kernel** (``engine/csrc/q4_avx512.cpp``, op ``specd_q4::mm``), built
   on first use with torch's C++ extension loader (a C++ compiler and ninja; ~25 s once, cached).
-  It reads the weights once per 8 rows, so a verify of 2-8 tokens costs little more than a
-  decode, and it keeps d and m as the file's fp16 values. Used for bf16 activations on a CPU
-  with AVX-512 BF16 whenever it builds and passes its self-test at load.
+  It rounds the activations to 8 bits per row and group of 32 (:func:`activations_8bit`, as
+  llama.cpp's Q4_1 x Q8_1 dot products do) and multiplies them with the nibbles as they are
+  stored (``VPDPBUSD``), keeping d and m as the file's fp16 values. It reads the weights once per
+  8 rows, and a row costs one instruction per 64 weights, so a verify of 2-4 tokens costs about
+  what a decode does. Used for bf16 activations on a CPU with AVX-512 VNNI and BF16 whenever it
+  builds and passes its self-test at load.
 - **torch's** ``_weight_int4pack_mm_for_cpu``, with the scales and ``zero = m + 8 d`` held in the
   activation dtype: everywhere else (no compiler, another CPU, float16 or float32), or with
   ``SPECD_Q4_KERNEL=0``.
@@ -31,7 +34,9 @@ import torch
 log = logging.getLogger("specd.q4")
 GROUP = 32
 _SRC = Path(__file__).with_name("csrc") / "q4_avx512.cpp"
-_FLAGS = ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "f16c", "fma"]
+_FLAGS = [
+    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "f16c", "fma"
+]  # fmt: skip
 _torch_only = [False]  # only_torch_kernel()
 
 
@@ -114,7 +119,7 @@ def _self_test() -> bool:
     m = rng.uniform(-0.2, 0.0, (48, 3)).astype(np.float32)
     w = _pack_specd(q, d, m)
     x = torch.randn(11, 96, dtype=torch.bfloat16)
-    ref = x.float() @ dequantized(q, d, m).T
+    ref = activations_8bit(x) @ dequantized(q, d, m).T
     y = torch.ops.specd_q4.mm(x, w).float()
     return bool((y - ref).abs().max() <= 0.02 * ref.abs().max())
 
@@ -125,14 +130,25 @@ def dequantized(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.repeat(d16, GROUP, 1) * q + np.repeat(m16, GROUP, 1))
 
 
+def activations_8bit(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, in]`` as specd's kernel multiplies it (float32): each row's groups of 32
+    rounded to 8 bits, ``s * round(x * (127 / amax))`` with ``s = amax / 127`` (fp32 arithmetic,
+    ties to even; an all-zero group stays zero)."""
+    g = x.float().reshape(x.shape[0], -1, GROUP)  # [rows, groups, 32]
+    amax = g.abs().amax(-1, keepdim=True)
+    # tensor / tensor: IEEE division, as the kernel's (torch's scalar / tensor can be a bit off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / 127.0)).reshape(x.shape)
+
+
 def _pack_specd(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
     """q ``[out, in]`` 0..15, d and m ``[out, in/32]`` -> uint8 ``[out/16, in/32, 320]`` (the
     byte layout is described in engine/csrc/q4_avx512.cpp)."""
     n, k = q.shape
     nb, g = n // 16, k // GROUP
-    four = q.reshape(nb, 16, g, 8, 4)  # [block, column, group, chunk, input]
-    pairs = np.stack([four[..., 0] | four[..., 2] << 4, four[..., 1] | four[..., 3] << 4], -1)
-    data = pairs.astype(np.uint8).transpose(0, 2, 3, 1, 4).reshape(nb, g, 256)
+    six = q.reshape(nb, 16, g, 4, 2, 4)  # [block, column, group, chunk, half, input]
+    byte = (six[..., 0, :] | six[..., 1, :] << 4).astype(np.uint8)  # [block, col, group, chunk, 4]
+    data = byte.transpose(0, 2, 3, 1, 4).reshape(nb, g, 256)
 
     def scales(a: np.ndarray) -> np.ndarray:  # [out, in/32] -> [block, group, 32 bytes]
         h = np.ascontiguousarray(np.asarray(a, np.float16).reshape(nb, 16, g).transpose(0, 2, 1))

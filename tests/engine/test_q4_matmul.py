@@ -1,13 +1,21 @@
-"""4-bit matmuls (engine/q4_matmul.py): specd's AVX-512 BF16 kernel computes x @ W.T of the
-stored weights (d, m as fp16) to bf16 rounding, each output row from its input row alone
-(bitwise the same whatever else is in the batch), inside compiled graphs too; torch's kernel
-serves where specd's does not apply."""
+"""4-bit matmuls (engine/q4_matmul.py): specd's AVX-512 VNNI kernel computes x8 @ W.T of the
+stored weights (d, m as fp16) and the activations rounded to 8 bits a group (x8 =
+``activations_8bit(x)``) to bf16 rounding, each output row from its input row alone (bitwise
+the same whatever else is in the batch), inside compiled graphs too; torch's kernel serves
+where specd's does not apply."""
 
 import numpy as np
 import pytest
 import torch
 
-from engine.q4_matmul import GROUP, dequantized, kernel_available, pack, q4_linear
+from engine.q4_matmul import (
+    GROUP,
+    activations_8bit,
+    dequantized,
+    kernel_available,
+    pack,
+    q4_linear,
+)
 
 needs_kernel = pytest.mark.skipif(
     not kernel_available(), reason="specd's 4-bit kernel needs AVX-512 BF16 and a C++ compiler"
@@ -35,7 +43,7 @@ def test_specd_kernel_computes_the_stored_weights(out, cols):
         x = torch.randn(rows, cols, dtype=torch.bfloat16)
         y = q4_linear(x, w)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
-        ref = x.float() @ ref_w.T
+        ref = activations_8bit(x) @ ref_w.T
         # bf16 output: within a rounding step of the value (plus fp32 summation order)
         err = (y.float() - ref).abs()
         assert (err <= ref.abs() * 2**-8 + 1e-3 * ref.abs().max()).all(), err.max()
@@ -102,3 +110,36 @@ def test_prefetch_distance_changes_no_result():
     assert torch.equal(torch.ops.specd_q4.mm(x, w.packed), ref)
     for ahead in (1, 16, 10_000):
         assert torch.equal(torch.ops.specd_q4.mm_ahead(x, w.packed, ahead), ref)
+
+
+def test_activations_8bit_rounds_each_group_of_32():
+    """The reference of the kernel's activations: per row and group, 255 levels spanning
+    [-amax, amax] (the group's largest magnitude kept exactly), ties to even, zero kept zero;
+    the error of an element at most half a step (amax / 254)."""
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    x[1, 32:64] = 0
+    x8 = activations_8bit(x)
+    g = x.float().view(3, 3, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    err = (x8.view(3, 3, 32) - g).abs()
+    assert (err <= amax / 254 * (1 + 1e-5)).all()
+    assert torch.equal(x8[1, 32:64], torch.zeros(32))
+    steps = x8.view(3, 3, 32) / (amax / 127).clamp(min=1e-30)
+    assert torch.allclose(steps, steps.round(), atol=1e-3)  # on the grid
+    top = g.abs().argmax(-1, keepdim=True)
+    assert torch.allclose(x8.view(3, 3, 32).gather(-1, top), g.gather(-1, top), rtol=1e-6)
+
+
+@needs_kernel
+def test_specd_kernel_error_against_the_dense_product_is_8_bit():
+    """Against x @ W.T unrounded, the kernel's error is that of 8-bit activations: within
+    sum_g amax_g / 254 * sum_(k in g) |w_k| (plus bf16 output rounding)."""
+    q, d, m = weights(576, 1536, seed=4)
+    w_full = dequantized(q, d, m)  # [out, in]
+    x = torch.randn(5, 1536, dtype=torch.bfloat16)
+    y = q4_linear(x, pack(q, d, m, torch.bfloat16)).float()
+    ref = x.float() @ w_full.T
+    amax = x.float().view(5, -1, GROUP).abs().amax(-1)  # [rows, groups]
+    wsum = w_full.abs().view(576, -1, GROUP).sum(-1)  # [out, groups]
+    bound = (amax / 254) @ wsum.T + ref.abs() * 2**-8 + 1e-3 * ref.abs().max()
+    assert ((y - ref).abs() <= bound).all()
