@@ -26,6 +26,7 @@ COPY engine engine
 COPY server server
 COPY loadtest loadtest
 COPY configs configs
+COPY models models
 RUN pip install .
 
 # non-root user; model caches on a volume (Hub cache for Hub ids, specd's cache for conversions)

@@ -101,17 +101,23 @@ def test_cpu_eagle_config_builds_and_speculates_exactly():
 
 
 def test_default_config_is_the_4bit_target_and_speculates_exactly():
-    """configs/default.yaml built for real: its Q4_1 layers run 4-bit, compiled. bf16 rounding
-    depends on a forward's shape, so the exact check runs it in deterministic mode (the
-    batch-invariant forward, engine/invariant.py, proven on the 4-bit weights at build): greedy
-    n-gram speculation at the adaptive K equals the same target decoding alone, on a ragged
-    batch of a chat and a repetitive completion. In float32 the builder keeps dense weights."""
+    """configs/default.yaml built for real: its Q4_1 layers run 4-bit, compiled, the shipped
+    EAGLE-3 head with the per-row n-gram fallback. bf16 rounding depends on a forward's shape,
+    so the exact check runs it in deterministic mode (the batch-invariant forward,
+    engine/invariant.py, proven on the 4-bit weights at build): greedy speculation at the
+    adaptive K equals the same target decoding alone, on a ragged batch of a chat (the head
+    drafts) and a repetitive completion (n-gram copies). In float32 the builder keeps dense
+    weights."""
+    from engine.drafters.eagle import EagleDrafter
+    from engine.drafters.hybrid import HybridDrafter
+
     data = yaml.safe_load((CONFIG.parent / "default.yaml").read_text())["engine"]
     assert data["model"]["native_q4"] and data["compile"]["enabled"]
     b = build_engine(EngineConfig.from_dict({**data, "deterministic": "always"}))
     e = b.engine
     assert e.target.fast is None  # deterministic forwards are all the invariant ones
-    assert isinstance(e.drafter, NgramDrafter) and e.controller.name == "adaptive"
+    assert isinstance(e.drafter, HybridDrafter) and e.controller.name == "adaptive"
+    assert isinstance(e.drafter.eagle, EagleDrafter) and e.drafter.eagle.taps == (2, 15, 27)
     assert any(isinstance(x, Q4Weight) for x in e.target.weights[0])
     prompts = [
         encode(b.tokenizer, Prompt("days", "test", "chat", "List the days of the week.")),

@@ -22,7 +22,14 @@ def test_an_eagle_config_runs_the_head_with_and_without_the_fallback_and_ngram()
 
 
 def test_an_ngram_config_runs_itself_and_ngram():
-    assert list(configs(ROOT / "configs" / "default.yaml")) == ["ngram"]
+    assert list(configs(ROOT / "configs" / "cpu-compiled.yaml")) == ["ngram"]
+
+
+def test_the_default_config_is_the_head_with_the_ngram_fallback():
+    runs = configs(ROOT / "configs" / "default.yaml")
+    assert list(runs) == ["eagle3", "eagle3+ngram", "ngram"]
+    default = EngineConfig.from_yaml(ROOT / "configs" / "default.yaml").drafter
+    assert default == EngineConfig.from_dict(runs["eagle3+ngram"]["engine"]).drafter
 
 
 def test_llama_server_runs_plain_its_ngram_and_with_a_head_the_head():
