@@ -133,12 +133,17 @@ def dequantized(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
 def activations_8bit(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[rows, in]`` as specd's kernel multiplies it (float32): each row's groups of 32
     rounded to 8 bits, ``s * round(x * (127 / amax))`` with ``s = amax / 127`` (fp32 arithmetic,
-    ties to even; an all-zero group stays zero)."""
+    ties to even). A group with ``amax < 1e-30`` becomes zero; one holding a NaN or an infinity
+    becomes NaN (the kernel's output row is then NaN)."""
     g = x.float().reshape(x.shape[0], -1, GROUP)  # [rows, groups, 32]
     amax = g.abs().amax(-1, keepdim=True)
+    bad = ~torch.isfinite(g).all(-1, keepdim=True)
+    small = ~(amax >= 1e-30) & ~bad
+    safe = torch.where(small | bad, torch.ones_like(amax), amax)
     # tensor / tensor: IEEE division, as the kernel's (torch's scalar / tensor can be a bit off)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(g * inv) * (amax / 127.0)).reshape(x.shape)
+    out = torch.round(g * (torch.full_like(safe, 127.0) / safe)) * (safe / 127.0)
+    out = torch.where(small, torch.zeros_like(out), out)
+    return torch.where(bad, torch.full_like(out, float("nan")), out).reshape(x.shape)
 
 
 def _pack_specd(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:

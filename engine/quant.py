@@ -12,7 +12,8 @@ projection of the decoder layers is kept 4-bit instead, in the fields of
 - transformers permutes the rows of the Q and K projections when it reads a llama GGUF (rotary
   layout); the same row permutation is applied to the 4-bit rows.
 
-It is the model of the GGUF file (the one llama.cpp serves), not a further quantization: at load
+It is the model of the GGUF file (the one llama.cpp serves; specd's kernel rounds the activations
+to 8 bits per group of 32 as llama.cpp's does), not a further quantization of the weights: at load
 every converted matrix is checked against transformers' dequantized weight (tolerance of the
 activation dtype) and a mismatch keeps the dense weights. Speculation stays lossless: the target
 is this model whichever drafter runs. The LM head runs from the file's Q8_0 blocks as 4-bit

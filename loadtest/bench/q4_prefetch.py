@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args(argv)
     if not q4_matmul.kernel_available():
-        print("specd's 4-bit kernel is not available on this machine (AVX-512 BF16, a compiler)")
+        print("specd's 4-bit kernel is not available here (AVX-512 VNNI + BF16, a compiler)")
         return 1
     aheads = [int(a) for a in args.aheads.split(",")]
     rows, qs = [int(m) for m in args.rows.split(",")], [int(q) for q in args.qs.split(",")]

@@ -18,7 +18,7 @@ from engine.q4_matmul import (
 )
 
 needs_kernel = pytest.mark.skipif(
-    not kernel_available(), reason="specd's 4-bit kernel needs AVX-512 BF16 and a C++ compiler"
+    not kernel_available(), reason="specd's 4-bit kernel needs AVX-512 VNNI + BF16, a C++ compiler"
 )
 
 
@@ -143,3 +143,44 @@ def test_specd_kernel_error_against_the_dense_product_is_8_bit():
     wsum = w_full.abs().view(576, -1, GROUP).sum(-1)  # [out, groups]
     bound = (amax / 254) @ wsum.T + ref.abs() * 2**-8 + 1e-3 * ref.abs().max()
     assert ((y - ref).abs() <= bound).all()
+
+
+def identity_weight(n: int):
+    """q = 1 on the diagonal, d = 1, m = 0: output column c is input c (w = I)."""
+    q = np.eye(n, dtype=np.uint8)
+    return pack(q, np.ones((n, n // GROUP), np.float32), np.zeros((n, n // GROUP), np.float32),
+                torch.bfloat16)  # fmt: skip
+
+
+@needs_kernel
+def test_specd_kernel_activations_are_exactly_the_reference():
+    """Through identity weights the kernel returns its 8-bit activations themselves, each
+    s * xq rounded once to bf16: bit for bit ``activations_8bit``, ties to even included
+    (amax 127 makes s = 1, so 2.5 -> 2, 3.5 -> 4, -2.5 -> -2)."""
+    w = identity_weight(64)
+    x = torch.randn(9, 64, dtype=torch.bfloat16) * 3
+    x[8, :32] = 0
+    x[8, 0], x[8, 1:4] = 127, torch.tensor([2.5, 3.5, -2.5], dtype=torch.bfloat16)
+    y = q4_linear(x, w)
+    assert torch.equal(y, activations_8bit(x).to(torch.bfloat16))
+    assert y[8, 1:4].tolist() == [2.0, 4.0, -2.0]
+
+
+@needs_kernel
+def test_specd_kernel_zero_tiny_and_non_finite_groups():
+    """A zero or tiny group (amax < 1e-30) contributes nothing; a NaN or an infinity makes its
+    row NaN (not a finite value made up from it), and only its row."""
+    q, d, m = weights(48, 64, seed=5)
+    w = pack(q, d, m, torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    x[1] = 0
+    x[2, :32], x[2, 32:] = 1e-35, 0
+    x[3, 7] = float("nan")
+    x[4, 40] = float("inf")
+    y = q4_linear(x, w)
+    assert torch.equal(y[1], torch.zeros(48, dtype=torch.bfloat16))
+    assert torch.equal(y[2], torch.zeros(48, dtype=torch.bfloat16))
+    assert y[3].isnan().all() and y[4].isnan().all()
+    assert torch.equal(y[0], q4_linear(x[:1], w)[0])
+    ref = activations_8bit(x)
+    assert ref[3].isnan().any() and torch.equal(ref[1], torch.zeros(64))

@@ -36,6 +36,27 @@ def test_model_and_flags_override_the_config(monkeypatch):
     assert (cfg.max_model_len, cfg.max_running, cfg.model.dtype) == (1024, 3, "float32")
 
 
+def test_another_model_drafts_with_ngram_unless_a_head_is_named(monkeypatch, capsys):
+    """The default config's EAGLE-3 head reads SmolLM2's hidden states: serving another model
+    with it falls back to n-gram (said on stderr); --drafter eagle:PATH keeps a head; naming
+    the config's own model keeps the config's drafter."""
+    monkeypatch.delenv("SPECD_DRAFTER", raising=False)
+    monkeypatch.delenv("SPECD_MODEL", raising=False)
+    default = cli._config(parse([]))
+    assert default.drafter.method == "eagle3" and default.drafter.ngram_fallback == 3
+    other = cli._config(parse(["/models/Other.gguf"]))
+    assert (other.drafter.method, other.drafter.source, other.drafter.ngram_fallback) == (
+        "ngram",
+        None,
+        0,
+    )
+    assert "n-gram" in capsys.readouterr().err
+    headed = cli._config(parse(["/models/Other.gguf", "--drafter", "eagle:/heads/other"]))
+    assert (headed.drafter.method, headed.drafter.source) == ("eagle3", "/heads/other")
+    same = cli._config(parse([default.model.source]))
+    assert same.drafter == default.drafter
+
+
 def test_environment_fills_what_flags_leave(monkeypatch):
     monkeypatch.setenv("SPECD_DRAFTER", "eagle")
     monkeypatch.setenv("SPECD_MAX_RUNNING", "5")
