@@ -5,8 +5,8 @@ them (engine/csrc/q4_avx512.cpp); ``specd_q4::mm_ahead`` takes the distance as a
 meaning none. Two measurements, the distances interleaved ``--rounds`` times:
 
 * **matmuls**: every 4-bit matrix of the config's target (30 layers and the LM head), in forward
-  order, over ``M`` rows of random bf16 input: what a step's matmuls read, cold-ish (~70 MB,
-  more than the caches keep);
+  order, over ``M`` rows of random bf16 input: what a step's matmuls read, cold-ish (~100 MB
+  packed for SmolLM2, more than the caches keep);
 * **steps**: the target's eager forward of ``q`` tokens in one row (256 tokens in its cache),
   its 4-bit matmuls routed through ``mm_ahead`` at each distance.
 

@@ -16,6 +16,7 @@ far 8-bit activations move the model compared with what 4-bit weights in bf16 al
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -49,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     dense, _ = load_model(src, "float32", "cpu", cfg.cache_dir)
     ref_runner = ModelRunner(dense, 1, args.max_len + 8)
     runners = {}
-    for name in ("specd (8-bit activations)", "torch (bf16 activations)"):
+    kernels = {
+        "specd (8-bit activations)": nullcontext,
+        "torch (bf16 activations)": only_torch_kernel,
+    }
+    for name, packing in kernels.items():  # the 4-bit weights packed for that kernel
         model, _ = load_model(src, "bfloat16", "cpu", cfg.cache_dir)
         runners[name] = ModelRunner(model, 1, args.max_len + 8)
-        if name.startswith("torch"):
-            with only_torch_kernel():
-                use_native_q4(src, runners[name])
-        else:
+        with packing():
             use_native_q4(src, runners[name])
 
     def logprobs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
