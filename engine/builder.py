@@ -91,6 +91,18 @@ def eagle_drafter(source: str | None, model, runner: ModelRunner) -> EagleDrafte
     return EagleDrafter(head, embed, runner.cache.num_slots, runner.max_len, runner.vocab_size)
 
 
+def use_inductor_cache(folder: Path) -> None:
+    """Point inductor's cache at ``folder`` unless the user named one
+    (``TORCHINDUCTOR_CACHE_DIR``). Importing ``torch._dynamo`` sets that variable to torch's
+    default (``/tmp/torchinductor_<user>``, gone at a reboot) where it is unset, so that value
+    counts as unset here."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == torch_default():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+
+
 def build_engine(cfg: EngineConfig, target=None) -> Built:
     """``target`` may pass an already loaded (model, tokenizer) pair (tests share one)."""
     if cfg.threads:
@@ -160,9 +172,8 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     elif m.native_q4:
         use_native_q4(m.source, *engine.runners())
     if cfg.compile.enabled:  # inductor's kernels kept beside the model cache, not in /tmp: a
-        # restart loads them (the default's warm-up: ~65 s cold on 2 cores, ~11 s from the cache)
-        inductor = (cache_dir or default_cache_dir()) / "inductor"
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+        # restart loads them (the default's warm-up: ~2-2.5 min cold on 2 vCPUs, ~20 s from it)
+        use_inductor_cache((cache_dir or default_cache_dir()) / "inductor")
     for r in engine.runners():
         if cfg.deterministic != "always" or r is not runner:  # its forwards are all invariant
             attach(r, cfg.compile, d.k_max)

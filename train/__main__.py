@@ -1,4 +1,4 @@
-"""``python -m train run|distill|fit|original ...``: the drafter's training pipeline
+"""``python -m train run|distill|fit|original|ablate ...``: the drafter's training pipeline
 (``run``: the whole recipe from a config, as ``specd train-drafter``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import distill, fit, original, pipeline
+from . import ablation, distill, fit, original, pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     distill.add_arguments(sub.add_parser("distill", help="self-distillation data"))
     fit.add_arguments(sub.add_parser("fit", help="train the EAGLE-3 head"))
     original.add_arguments(sub.add_parser("original", help="ShareGPT's own answers (ablation)"))
+    ablation.add_arguments(sub.add_parser("ablate", help="the training tricks' ablations"))
     args = ap.parse_args(argv)
     if args.cmd == "run":
         pipeline.run(args)
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         fit.run(args)
     elif args.cmd == "original":
         original.run(args)
+    elif args.cmd == "ablate":
+        ablation.run(args)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, save_head
+from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
 
 from .batches import Row, batches, draft_coverage, draft_vocab, read_rows
 from .feature_cache import FeatureCache, cache_tag
@@ -112,10 +112,11 @@ def run(args: argparse.Namespace) -> None:
     if args.native_q4:
         use_native_q4(DEFAULT_TARGET, runner)
     if args.init:  # warm start from a head already trained (its vocabulary kept)
-        from engine.eagle_head import load_head
-
         head = load_head(args.init, model.config.num_hidden_layers)
         ids = head.draft_to_target
+        coverage = draft_coverage(train_rows, ids)
+    elif args.vocab_of:  # a new head on another head's draft vocabulary (the ablations)
+        ids = load_head(args.vocab_of, model.config.num_hidden_layers).draft_to_target
         coverage = draft_coverage(train_rows, ids)
     else:
         vocab_rows = train_rows
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> None:
                 for r in (rows_of[f] if f in rows_of else read_rows(data / f, args.max_len))
             ]
         ids, coverage = draft_vocab(vocab_rows, args.draft_vocab)
+    if not args.init:  # a new head: the target's final norm and LM head rows as the start
         head = head_for(model, len(ids))
         head.set_vocab(ids)
         with torch.no_grad():
@@ -174,7 +176,9 @@ def run(args: argparse.Namespace) -> None:
             g["lr"] = lr_at(step)
         with autocast:
             outs = fwd(b.feats, b.tokens, args.ttt_steps)
-            loss, _, accs = ttt_loss(head.lm_head, outs, b.target_logits, b.predict)
+            loss, _, accs = ttt_loss(
+                head.lm_head, outs, b.target_logits, b.predict, hard=args.loss == "hard"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
@@ -192,8 +196,9 @@ def run(args: argparse.Namespace) -> None:
         if step % args.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
+    eval_steps = args.eval_steps or args.ttt_steps
     agreement = evaluate(
-        fwd, runner, cache, eval_rows, ids, head.t2d, args.ttt_steps, args.tokens, args.bf16
+        fwd, runner, cache, eval_rows, ids, head.t2d, eval_steps, args.tokens, args.bf16
     )
     out = Path(args.out)
     save_head(head, out)
@@ -208,9 +213,14 @@ def run(args: argparse.Namespace) -> None:
         "lr": args.lr,
         "init": args.init,
         "noise": args.noise,
+        "loss": args.loss,
         "draft_vocab": len(ids),
         "draft_vocab_from": (
-            f"{args.init} (kept)" if args.init else args.vocab_from or args.train_files
+            f"{args.init} (kept)"
+            if args.init
+            else f"{args.vocab_of} (its vocabulary, new weights)"
+            if args.vocab_of
+            else args.vocab_from or args.train_files
         ),
         "draft_vocab_coverage": round(coverage, 4),
         "wall_seconds": round(seconds, 1),
@@ -243,6 +253,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="files (in --data) the draft vocabulary is counted on (default: the training files)",
     )
     ap.add_argument("--init", default=None, help="warm start from this head folder")
+    ap.add_argument(
+        "--vocab-of", default=None, help="a new head on this head folder's draft vocabulary"
+    )
+    ap.add_argument(
+        "--loss",
+        choices=["soft", "hard"],
+        default="soft",
+        help="cross-entropy against the target's distribution (soft) or its top token",
+    )
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=0, help="stop after this many (0: epochs)")
@@ -260,6 +279,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--noise", type=float, default=0.0)
     ap.add_argument("--eval-rows", type=int, default=200)
+    ap.add_argument(
+        "--eval-steps", type=int, default=0, help="draft steps evaluated (0: --ttt-steps)"
+    )
     ap.add_argument("--checkpoint-every", type=int, default=100)
     # the target's layers 4-bit as served: the 4-bit matmuls are slower than dense bf16 ones on
     # long training rows, so the features come from the same weights dequantized to bf16

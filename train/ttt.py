@@ -119,13 +119,15 @@ def ttt_loss(
     target_logits: torch.Tensor,
     predict: torch.Tensor,
     decay: float = 0.8,
+    hard: bool = False,
 ) -> tuple[torch.Tensor, list[float], list[float]]:
     """EAGLE-3's loss over the step outputs ``outs`` of :class:`TTTForward`. ``target_logits``
     ``[B, S, draft_vocab]``: the target's logits at each position over the draft vocabulary
     (position q predicts t_{q+1}); ``predict`` ``[B, S]`` bool: t_{q+1} is an output token worth
     learning (an assistant token, and the target's top token is in the draft vocabulary). The
-    LM head runs only where the loss counts. Returns (loss, per-step soft CE, per-step top-1
-    agreement with the target)."""
+    LM head runs only where the loss counts. ``hard``: cross-entropy against the target's top
+    token instead of its distribution (the ablation of the soft labels). Returns (loss, per-step
+    CE, per-step top-1 agreement with the target)."""
     total = outs[0].new_zeros((), dtype=torch.float32)
     ces, accs = [], []
     S = target_logits.shape[1]
@@ -138,7 +140,10 @@ def ttt_loss(
             continue
         pred = lm_head(out[:, : S - shift][mask]).float()  # [N, Vd]
         tgt = target_p[:, shift:][mask]  # [N, Vd]
-        ce = -(tgt * pred.log_softmax(-1)).sum(-1).mean()
+        if hard:
+            ce = F.cross_entropy(pred, tgt.argmax(-1))
+        else:
+            ce = -(tgt * pred.log_softmax(-1)).sum(-1).mean()
         acc = (pred.argmax(-1) == tgt.argmax(-1)).float().mean()
         total = total + decay**j * ce
         ces.append(float(ce.detach()))

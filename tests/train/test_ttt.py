@@ -2,6 +2,7 @@
 index p is the head taking in position p from real features, step j is the j-th chained draft
 step after it (fed the true tokens), attending over the same keys."""
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -61,3 +62,24 @@ def test_loss_is_the_entropy_at_the_target():
         entropy = float(-(p * p.log()).sum(-1).mean())
         assert abs(ce - entropy) < 1e-5
     assert accs == [1.0, 1.0]
+
+
+def test_hard_loss_is_cross_entropy_at_the_target_top_token():
+    """``hard=True`` (the soft labels' ablation): the loss at each step is the cross-entropy of
+    the head's logits against the target's top token, over the counted positions only, and the
+    total weights step j by 0.8^j."""
+    torch.manual_seed(0)
+    tl = torch.randn(2, 6, 5)
+    head_out = [torch.randn(2, 6, 5) for _ in range(2)]
+    predict = torch.ones(2, 6, dtype=torch.bool)
+    predict[0, 3] = False
+    total, ces, _ = ttt_loss(torch.nn.Identity(), head_out, tl, predict, hard=True)
+    expected = []
+    for j, out in enumerate(head_out):
+        mask = predict[:, 1 + j :]
+        pred, top = out[:, : 6 - 1 - j][mask], tl[:, 1 + j :][mask].argmax(-1)
+        expected.append(float(-pred.log_softmax(-1).gather(1, top[:, None]).mean()))
+    assert ces == [pytest.approx(e, abs=1e-5) for e in expected]
+    assert float(total) == pytest.approx(expected[0] + 0.8 * expected[1], abs=1e-5)
+    soft_total, _, _ = ttt_loss(torch.nn.Identity(), head_out, tl, predict)
+    assert float(soft_total) != pytest.approx(float(total))  # the option changes the loss
