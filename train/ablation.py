@@ -65,8 +65,8 @@ def arm_args(arm: str, args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**(vars(base) | shared | ARMS[arm]))
 
 
-def held_out(args: argparse.Namespace, heads: list[str]) -> list[tuple[list[float], list[float]]]:
-    """(greedy, sampled) acceptance per draft step of each head folder on the held-out rows
+def held_out(args: argparse.Namespace, arms: list[argparse.Namespace]):
+    """(greedy, sampled) acceptance per draft step of each arm's head on the held-out rows
     (train/acceptance.py), the target loaded once."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -84,10 +84,11 @@ def held_out(args: argparse.Namespace, heads: list[str]) -> list[tuple[list[floa
     slots = max(len(g) for g in batches(rows, args.tokens, 0))
     runner = ModelRunner(model, num_slots=slots, max_len=args.max_len)
     out = []
-    for folder in heads:
-        head = load_head(folder, model.config.num_hidden_layers)
+    for ns in arms:
+        head = load_head(ns.out, model.config.num_hidden_layers)
         runner.taps = head.config.aux_layers
-        tag = cache_tag(DEFAULT_TARGET, args.dtype, False, head.config.aux_layers)
+        # the runner is dense, as every arm's fit (no arm sets native_q4)
+        tag = cache_tag(DEFAULT_TARGET, ns.dtype, False, head.config.aux_layers)
         cache = FeatureCache(args.feature_cache or None, tag)
         rotary = LlamaRotaryEmbedding(config=head.config.llama_config())
         fwd = TTTForward(head, model.model.embed_tokens, rotary)
@@ -97,15 +98,15 @@ def held_out(args: argparse.Namespace, heads: list[str]) -> list[tuple[list[floa
 
 def run(args: argparse.Namespace) -> None:
     arms = args.arms.split(",")
+    fits = [arm_args(arm, args) for arm in arms]
     reports = []
-    for arm in arms:
-        ns = arm_args(arm, args)
+    for arm, ns in zip(arms, fits):
         report_file = Path(ns.out) / "training.json"
         if not report_file.exists():  # an arm already trained is read back (resumable)
             print(f"[ablate] {arm}: {ARMS[arm] or 'the recipe'}", flush=True)
             fit.run(ns)
         reports.append(json.loads(report_file.read_text()))
-    measured = held_out(args, [arm_args(arm, args).out for arm in arms])
+    measured = held_out(args, fits)
     print(f"\narms from a new head, {args.steps} steps of {args.tokens} tokens, lr {args.lr}")
     print(f"held-out acceptance by draft step ({args.eval_rows} e-bucket rows, teacher-forced):")
     print("greedy = top-1 agreement; T=1 = sum min(p, q); tau3 = simulated tau at K = 3 (greedy)")

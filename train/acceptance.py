@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner
 
 from .batches import Row, batches, to_batch
 from .feature_cache import FeatureCache
-from .ttt import TTTForward
+from .ttt import TTTForward, step_predictions
 
 
 def overlap(target_logits: torch.Tensor, lse: torch.Tensor, head_logits: torch.Tensor):
@@ -56,15 +56,9 @@ def acceptance_by_step(
         lse = lse.view(f.hidden.shape[:2])  # [B, S]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             outs = fwd(b.feats, b.tokens, steps)
-        S = b.tokens.shape[1]
-        for j, out in enumerate(outs):
-            shift = 1 + j  # index p of step j guesses t_{p+2+j}: the target at p + 1 + j
-            mask = b.predict[:, shift:]  # [B, S - shift]
-            if not bool(mask.any()):
-                continue
-            q = head.lm_head(out[:, : S - shift][mask]).float()  # [N, Vd]
-            tl = b.target_logits[:, shift:][mask]  # [N, Vd]
+        for j, mask, q in step_predictions(head.lm_head, outs, b.predict):
+            tl = b.target_logits[:, 1 + j :][mask]  # [N, Vd]
             greedy[j] += float((q.argmax(-1) == tl.argmax(-1)).sum())
-            sampled[j] += float(overlap(tl, lse[:, shift:][mask], q).sum())
+            sampled[j] += float(overlap(tl, lse[:, 1 + j :][mask], q).sum())
             n[j] += float(mask.sum())
     return [g / max(c, 1) for g, c in zip(greedy, n)], [s / max(c, 1) for s, c in zip(sampled, n)]

@@ -20,6 +20,8 @@ the predicted token is an output token and the target's top token is in the draf
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -113,6 +115,22 @@ class TTTForward:
         return out.reshape(B, nh, S, hd).transpose(1, 2).reshape(B, S, nh * hd)
 
 
+def step_predictions(
+    lm_head: torch.nn.Module, outs: list[torch.Tensor], predict: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each draft step j of ``outs`` that has a counted position: ``(j, mask, logits)``.
+    Index p of step j guesses t_{p+2+j}, what the target predicts at position p + 1 + j, so
+    ``mask`` ``[B, S - 1 - j]`` is ``predict[:, 1 + j:]`` (index the target's tensors at
+    ``[:, 1 + j:][mask]``) and ``logits`` ``[N, draft_vocab]`` (float32) are the head's at those
+    indices: its LM head runs only where they count."""
+    S = predict.shape[1]
+    for j, out in enumerate(outs):
+        shift = 1 + j
+        mask = predict[:, shift:]  # [B, S - shift]
+        if bool(mask.any()):
+            yield j, mask, lm_head(out[:, : S - shift][mask]).float()
+
+
 def ttt_loss(
     lm_head: torch.nn.Module,
     outs: list[torch.Tensor],
@@ -124,22 +142,15 @@ def ttt_loss(
     """EAGLE-3's loss over the step outputs ``outs`` of :class:`TTTForward`. ``target_logits``
     ``[B, S, draft_vocab]``: the target's logits at each position over the draft vocabulary
     (position q predicts t_{q+1}); ``predict`` ``[B, S]`` bool: t_{q+1} is an output token worth
-    learning (an assistant token, and the target's top token is in the draft vocabulary). The
-    LM head runs only where the loss counts. ``hard``: cross-entropy against the target's top
-    token instead of its distribution (the ablation of the soft labels). Returns (loss, per-step
-    CE, per-step top-1 agreement with the target)."""
+    learning (an assistant token, and the target's top token is in the draft vocabulary).
+    ``hard``: cross-entropy against the target's top token instead of its distribution (the
+    ablation of the soft labels). Returns (loss, per-step CE, per-step top-1 agreement with the
+    target)."""
     total = outs[0].new_zeros((), dtype=torch.float32)
     ces, accs = [], []
-    S = target_logits.shape[1]
     target_p = target_logits.float().softmax(-1)  # [B, S, Vd], shared by every step
-    for j, out in enumerate(outs):
-        # index p of step j guesses t_{p+2+j}: the target's distribution at position p + 1 + j
-        shift = 1 + j
-        mask = predict[:, shift:]  # [B, S - shift]
-        if not bool(mask.any()):
-            continue
-        pred = lm_head(out[:, : S - shift][mask]).float()  # [N, Vd]
-        tgt = target_p[:, shift:][mask]  # [N, Vd]
+    for j, mask, pred in step_predictions(lm_head, outs, predict):
+        tgt = target_p[:, 1 + j :][mask]  # [N, Vd]
         if hard:
             ce = F.cross_entropy(pred, tgt.argmax(-1))
         else:
