@@ -43,22 +43,27 @@ def acceptance_by_step(
     steps: int,
     tokens: int,
     bf16: bool,
+    sampled: bool = True,
 ) -> tuple[list[float], list[float]]:
-    """(greedy, sampled) acceptance per draft step over ``rows``, weighted by position."""
+    """(greedy, sampled) acceptance per draft step over ``rows``, weighted by the positions
+    each step counts. ``sampled=False`` skips the T = 1 half (the target's log-normalizer over
+    its whole vocabulary, one LM-head pass over every position) and returns zeros for it."""
     head = fwd.head
     ids, t2d = head.draft_to_target, head.t2d
-    greedy, sampled, n = [0.0] * steps, [0.0] * steps, [0.0] * steps
+    greedy, overlaps, n = [0.0] * steps, [0.0] * steps, [0.0] * steps
     for group in batches(rows, tokens, seed=0):
         f = cache.features(runner, group, t2d)
         b = to_batch(runner, f, ids)
-        flat = f.hidden.reshape(-1, f.hidden.shape[-1])
-        lse = torch.cat([runner.logits(c).logsumexp(-1) for c in flat.split(1024)])
-        lse = lse.view(f.hidden.shape[:2])  # [B, S]
+        if sampled:
+            flat = f.hidden.reshape(-1, f.hidden.shape[-1])
+            lse = torch.cat([runner.logits(c).logsumexp(-1) for c in flat.split(1024)])
+            lse = lse.view(f.hidden.shape[:2])  # [B, S]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             outs = fwd(b.feats, b.tokens, steps)
         for j, mask, q in step_predictions(head.lm_head, outs, b.predict):
             tl = b.target_logits[:, 1 + j :][mask]  # [N, Vd]
             greedy[j] += float((q.argmax(-1) == tl.argmax(-1)).sum())
-            sampled[j] += float(overlap(tl, lse[:, 1 + j :][mask], q).sum())
+            if sampled:
+                overlaps[j] += float(overlap(tl, lse[:, 1 + j :][mask], q).sum())
             n[j] += float(mask.sum())
-    return [g / max(c, 1) for g, c in zip(greedy, n)], [s / max(c, 1) for s, c in zip(sampled, n)]
+    return [g / max(c, 1) for g, c in zip(greedy, n)], [o / max(c, 1) for o, c in zip(overlaps, n)]

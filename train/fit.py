@@ -23,6 +23,7 @@ import torch
 
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
 
+from .acceptance import acceptance_by_step
 from .batches import Row, batches, draft_coverage, draft_vocab, read_rows
 from .feature_cache import FeatureCache, cache_tag
 from .ttt import TTTForward, ttt_loss
@@ -68,21 +69,6 @@ def simulated_tau(agreement: list[float], k: int) -> float:
         run *= agreement[min(i, len(agreement) - 1)]
         tau += run
     return tau
-
-
-def evaluate(fwd, runner, cache, rows, draft_ids, t2d, steps, tokens, bf16) -> list[float]:
-    """Top-1 agreement with the target per draft step on ``rows`` (no grad)."""
-    hits = [0.0] * steps
-    n = 0.0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        for group in batches(rows, tokens, seed=0):
-            b = cache.batch(runner, group, draft_ids, t2d)
-            outs = fwd(b.feats, b.tokens, steps)
-            _, _, accs = ttt_loss(fwd.head.lm_head, outs, b.target_logits, b.predict)
-            w = float(b.predict.sum())
-            hits = [h + a * w for h, a in zip(hits, accs)]
-            n += w
-    return [h / max(n, 1) for h in hits]
 
 
 def run(args: argparse.Namespace) -> None:
@@ -197,8 +183,8 @@ def run(args: argparse.Namespace) -> None:
             save_checkpoint()
     bar.close()
     eval_steps = args.eval_steps or args.ttt_steps
-    agreement = evaluate(
-        fwd, runner, cache, eval_rows, ids, head.t2d, eval_steps, args.tokens, args.bf16
+    agreement, _ = acceptance_by_step(  # greedy: top-1 agreement per draft step
+        fwd, runner, cache, eval_rows, eval_steps, args.tokens, args.bf16, sampled=False
     )
     out = Path(args.out)
     save_head(head, out)

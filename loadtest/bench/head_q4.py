@@ -1,8 +1,9 @@
 """What 4-bit weights cost the EAGLE-3 head in agreement (drafter.head_q4).
 
-The held-out top-1 agreement with the target at each of the fit's draft steps (train/fit.py's
-``evaluate``, teacher-forced, on the ``e`` bucket's rows of ``.cache/distill/eval.jsonl``) for
-the head as stored and with the matrices rounded as engine/drafters/eagle_q4.py rounds them:
+The held-out top-1 agreement with the target at each of the fit's draft steps
+(train/acceptance.py's ``acceptance_by_step``, greedy, teacher-forced, on the ``e`` bucket's rows
+of ``.cache/distill/eval.jsonl``) for the head as stored and with the matrices rounded as
+engine/drafters/eagle_q4.py rounds them:
 all of them, the layer's and ``fc`` only, the LM head only.
 
     python -m loadtest.bench.head_q4 --head models/smollm2-135m-eagle3
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.eagle_head import load_head
     from engine.loader import load_model
     from engine.model_runner import ModelRunner
-    from train import fit
+    from train.acceptance import acceptance_by_step
     from train.batches import read_rows
     from train.feature_cache import FeatureCache, cache_tag
     from train.ttt import TTTForward
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(m, torch.nn.Linear) and pick(name):
                     m.weight.copy_(rounded(m.weight))
         fwd = TTTForward(head, model.model.embed_tokens, rotary)
-        acc = fit.evaluate(fwd, runner, cache, rows, head.draft_to_target, head.t2d, 4, 4096, True)
+        acc, _ = acceptance_by_step(fwd, runner, cache, rows, 4, 4096, True, sampled=False)
         print(f"  {label:<20} " + " ".join(f"{a:.4f}" for a in acc), flush=True)
     return 0
 

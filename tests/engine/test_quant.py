@@ -107,14 +107,17 @@ def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
         tok(t, return_tensors=None)["input_ids"]
         for t in (
             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
-            "List the days of the week: Monday,",
+            "The days: Monday, Tuesday, Wednesday, Thursday, Friday. Again: Monday,",  # n-gram
         )
     ]
-    greedy = SamplingParams(temperature=0, max_tokens=24)
+    # 12 tokens: torch's float32 int4 matmul is unvectorised (~14 ms a matrix at 10 rows), and
+    # drafts are kept and rejected within them
+    greedy = SamplingParams(temperature=0, max_tokens=12)
     plain = [s.output_ids for s in engine.generate(prompts, greedy, SpecParams(enabled=False))]
     spec = engine.generate(prompts, greedy, SpecParams(k=4))
     assert [s.output_ids for s in spec] == plain
-    assert sum(s.drafted for s in spec) > 0
+    accepted, drafted = sum(s.accepted for s in spec), sum(s.drafted for s in spec)
+    assert 0 < accepted < drafted
 
 
 def test_4bit_layer_weights_trace_through_the_compiled_path(real_fp32):
