@@ -11,8 +11,9 @@ position it drafted and how many drafts the target accepted. Prints:
   probability there, among rounds that reached j (all drafts before it accepted);
 * rules that cut a round's chain where the product of the top probabilities so far falls below a
   threshold (the first draft always kept, or cut too). Their rounds are replayed from the K =
-  ``--k-max`` rounds (a chain cut at n drafts keeps min(accepted, n) of them) and priced at the
-  measured milliseconds of a fixed-K = n round of this run (n = 0: a plain round).
+  ``--k-max`` rounds (a chain cut at n drafts keeps min(accepted, n) of them) and priced by
+  :func:`price`: a fixed-K = n round of this run (n = 0: a plain round) plus, below K =
+  ``--k-max``, the one more head step that showed draft n + 1's top probability.
 
 Stopping on the head's top probability is lossless for any threshold (the rule looks only at q,
 never at the drafted token itself); this bench measures whether it would pay.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -49,6 +51,13 @@ def cut(conf: list[float], threshold: float, keep_first: bool) -> int:
             break
         n += 1
     return n
+
+
+def price(n: int, round_ms: list[float], step_ms: float, k_max: int, cut: bool = True) -> float:
+    """Milliseconds of a round that drafted ``n`` tokens: the measured fixed-K = n round
+    (``round_ms[0]``: plain) and, for a chain ``cut`` below ``k_max``, one more head step
+    (``step_ms``), the one whose top probability ended the chain."""
+    return round_ms[n] + (step_ms if cut and n < k_max else 0.0)
 
 
 def calibration(rounds: list[tuple[list[float], int]], k: int) -> list[str]:
@@ -94,6 +103,7 @@ def main(argv=None) -> None:
 
     head._choose = recording  # type: ignore[method-assign]
     rounds: list[tuple[list[float], int]] = []  # K = k_max rounds: (top probabilities, accepted)
+    draft_ms: list[float] = []  # their propose phases' wall time
     spec_round, mode = engine.speculator.round, [""]
 
     def recorded_round(seqs):
@@ -102,6 +112,7 @@ def main(argv=None) -> None:
         st = out[0].stats
         if mode[0] == f"K={a.k_max}" and st is not None and st.drafted == a.k_max:
             rounds.append((list(conf), st.accepted))
+            draft_ms.append(st.draft_s * 1e3)
         return out
 
     engine.speculator.round = recorded_round  # type: ignore[method-assign]
@@ -130,16 +141,21 @@ def main(argv=None) -> None:
           "the head's top probability there (rounds reaching j)")  # fmt: skip
     print("\n".join(calibration(rounds, a.k_max)))
     print("chains cut where the product of top probabilities falls below a threshold, replayed "
-          "from those rounds, priced at this run's fixed-K ms/round")  # fmt: skip
-    price = [ms["plain"]] + [ms[f"K={k}"] for k in range(1, a.k_max + 1)]
-    rules = [(f"fixed K={k}", lambda c, k=k: k) for k in range(1, a.k_max + 1)]
+          "from those rounds, priced at this run's fixed-K ms/round plus the head step that "
+          "ended the chain")  # fmt: skip
+    if not rounds:
+        raise SystemExit(f"no K = {a.k_max} round drafted {a.k_max} tokens")
+    round_ms = [ms["plain"]] + [ms[f"K={k}"] for k in range(1, a.k_max + 1)]
+    step_ms = statistics.median(draft_ms) / a.k_max  # one head step (the ingest counted as one)
+    print(f"  (a head step: {step_ms:.2f} ms, the median K = {a.k_max} propose phase / {a.k_max})")
+    rules = [(f"fixed K={k}", lambda c, k=k: k, False) for k in range(1, a.k_max + 1)]
     for th in (0.05, 0.1, 0.2, 0.3, 0.4):
-        rules.append((f"cut < {th}, first kept", lambda c, th=th: cut(c, th, True)))
-        rules.append((f"cut < {th}", lambda c, th=th: cut(c, th, False)))
-    for name, rule in rules:
+        rules.append((f"cut < {th}, first kept", lambda c, th=th: cut(c, th, True), True))
+        rules.append((f"cut < {th}", lambda c, th=th: cut(c, th, False), True))
+    for name, rule, is_cut in rules:
         ns = [rule(c) for c, _ in rounds]
         tok = sum(min(acc, n) + 1 for (_, acc), n in zip(rounds, ns))
-        sec = sum(price[n] for n in ns) / 1e3
+        sec = sum(price(n, round_ms, step_ms, a.k_max, is_cut) for n in ns) / 1e3
         print(f"  {name:24s} tokens/round {tok / len(ns):.2f}  drafts/round "
               f"{sum(ns) / len(ns):.2f}  est. x plain {tok / sec / plain:.3f}")  # fmt: skip
 

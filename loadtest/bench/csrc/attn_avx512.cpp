@@ -26,8 +26,10 @@ inline __m512 load16(const at::BFloat16* p) {  // 16 bf16 -> 16 float32
 }
 
 // exp(x) for x <= 0 (softmax after the max is subtracted): 2^(x log2 e), the fraction by a
-// degree-6 polynomial, the integer part by scalef; ~1 ulp-level error in float32, 0 below -87.
+// degree-6 polynomial, the integer part by scalef; x below -87 is taken as -87 (~1.6e-38), and
+// -inf (a masked key) gives exactly 0.
 inline __m512 exp16(__m512 x) {
+  const __mmask16 finite = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -39,7 +41,7 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(finite, _mm512_scalef_ps(p, n));
 }
 
 // One query row of one (batch, kv head): scores over keys [0, n), softmax, weighted values.
@@ -76,6 +78,7 @@ void row(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v, in
   __m512 o[8];
   for (int64_t c = 0; c < parts; ++c) o[c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
+    if (!allow[i]) continue;  // a masked key's value is never read
     const __m512 p = _mm512_set1_ps(s[i]);
     const at::BFloat16* vi = v + i * vs;
     for (int64_t c = 0; c < parts; ++c) o[c] = _mm512_fmadd_ps(p, load16(vi + 16 * c), o[c]);

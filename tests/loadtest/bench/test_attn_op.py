@@ -23,9 +23,10 @@ def _case(batch, kv_heads, group, tokens, length, seed=0):
 @pytest.mark.parametrize("shape", [(1, 3, 3, 1, 300), (8, 3, 3, 2, 64), (2, 8, 4, 2, 129)])
 def test_the_kernel_is_sdpa_to_bf16_rounding(shape):
     qs, keys, vals, mask = _case(*shape)
-    mask[0, 0, 0, 1] = False  # a hole: the mask is honoured key by key, not only as a prefix
-    got = attn_op.attend(qs, keys, vals, mask, 0.125).float()
+    mask[0, 0, :, 1] = False  # a hole: the mask is honoured key by key, not only as a prefix
     want = attn_op.reference(qs, keys, vals, mask, 0.125)
+    vals[0, :, 1] = float("inf")  # the masked key weighs exactly 0: its value never leaks in
+    got = attn_op.attend(qs, keys, vals, mask, 0.125).float()
     assert got.shape == want.shape
     assert (got - want).abs().max() < 0.01  # bf16 output rounding of values ~N(0, 1/L)
     grouped = mask.repeat(1, 1, qs.shape[2] // mask.shape[2], 1)  # one mask row per query row

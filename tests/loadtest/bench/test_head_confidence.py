@@ -1,6 +1,6 @@
 """The head-confidence bench's chain cut and calibration table."""
 
-from loadtest.bench.head_confidence import calibration, cut
+from loadtest.bench.head_confidence import calibration, cut, price
 
 
 def test_cut_stops_where_the_running_product_falls_below_the_threshold():
@@ -20,3 +20,11 @@ def test_calibration_counts_only_rounds_that_reached_each_position():
     assert "0.0+ 0.50 (2)" in first and "0.9+ 1.00 (2)" in first
     assert "0.2+ 0.50 (2)" in second and "0.9+ 0.00 (1)" in second
     assert "0.0+" not in second  # no round reached position 2 with a top probability below 0.2
+
+
+def test_a_cut_chain_pays_the_head_step_that_ended_it():
+    round_ms = [10.0, 12.0, 15.0, 17.0]  # plain, K = 1, 2, 3
+    assert price(0, round_ms, 0.5, 3) == 10.5  # the head ran once to see the first draft's q
+    assert price(2, round_ms, 0.5, 3) == 15.5
+    assert price(3, round_ms, 0.5, 3) == 17.0  # the whole chain: nothing more was computed
+    assert price(2, round_ms, 0.5, 3, cut=False) == 15.0  # a fixed K = 2 stops at its K
