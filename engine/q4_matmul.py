@@ -67,7 +67,8 @@ class Q4Weight:
 
 
 # -- specd's kernel ------------------------------------------------------------------------------
-def _cpu_has_flags() -> bool:
+def cpu_has_flags(wanted: list[str]) -> bool:
+    """Whether /proc/cpuinfo lists every flag of ``wanted`` (its spelling, e.g. ``avx512_bf16``)."""
     try:
         flags = next(
             (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
@@ -75,14 +76,14 @@ def _cpu_has_flags() -> bool:
         ).split()
     except OSError:
         return False
-    return all(f in flags for f in _FLAGS)
+    return all(f in flags for f in wanted)
 
 
 @functools.cache
 def kernel_available() -> bool:
     """specd's kernel is built, loaded and agrees with a dense reference (probed once per
     process; ``SPECD_Q4_KERNEL=0`` switches it off)."""
-    if os.environ.get("SPECD_Q4_KERNEL", "1") == "0" or not _cpu_has_flags():
+    if os.environ.get("SPECD_Q4_KERNEL", "1") == "0" or not cpu_has_flags(_FLAGS):
         return False
     try:
         _load_library()
@@ -96,14 +97,20 @@ def kernel_available() -> bool:
     return ok
 
 
+def venv_ninja_on_path() -> None:
+    """Put the interpreter's folder on PATH where it holds ninja (a venv's, where the venv is not
+    activated): torch's C++ extension loader needs it."""
+    here = str(Path(sys.executable).parent)
+    if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def _load_library() -> None:
     """Build (once per source and flags, cached by torch's extension loader) and load the op."""
     from torch.utils.cpp_extension import load
 
-    here = str(Path(sys.executable).parent)  # a venv's ninja, where the venv is not activated
-    if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+    venv_ninja_on_path()
     cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in _FLAGS]
     load("specd_q4_avx512", [str(_SRC)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)  # fmt: skip

@@ -16,18 +16,18 @@ against a float32 reference.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from engine.q4_matmul import cpu_has_flags, venv_ninja_on_path
+
 log = logging.getLogger("specd.bench.attention")
 _SRC = Path(__file__).with_name("csrc") / "attn_avx512.cpp"
 _FLAGS = ["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"]
-_ok: list[bool | None] = [None]  # available(), probed once
 
 
 def attend(
@@ -40,16 +40,10 @@ def attend(
     return torch.ops.specd_attn.attend(qs, keys, vals, mask, scale)
 
 
+@functools.cache
 def available() -> bool:
     """The kernel is built, loaded and agrees with :func:`reference` (probed once per process)."""
-    ok = _ok[0]
-    if ok is None:
-        ok = _ok[0] = _probe()
-    return ok
-
-
-def _probe() -> bool:
-    if not _cpu_has_flags():
+    if not cpu_has_flags(_FLAGS):
         return False
     try:
         load()
@@ -69,9 +63,7 @@ def load() -> None:
         return
     from torch.utils.cpp_extension import load as load_extension
 
-    here = str(Path(sys.executable).parent)  # a venv's ninja, where the venv is not activated
-    if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+    venv_ninja_on_path()
     cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in _FLAGS]
     load_extension("specd_attn_avx512", [str(_SRC)], extra_cflags=cflags,
                    extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)  # fmt: skip
@@ -99,14 +91,3 @@ def _self_test() -> bool:
     mask = torch.arange(40)[None, None, None, :] <= torch.tensor([[[[20], [21]]], [[[5], [39]]]])
     got = attend(qs, keys, vals, mask, 0.125).float()
     return bool((got - reference(qs, keys, vals, mask, 0.125)).abs().max() < 0.02)
-
-
-def _cpu_has_flags() -> bool:
-    try:
-        flags = next(
-            (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
-            "",
-        ).split()
-    except OSError:
-        return False
-    return all(f in flags for f in _FLAGS)
