@@ -63,15 +63,41 @@ def make_controller(d, drafter) -> KController:
     raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
 
 
+# what a head's Hub repository must give: its config and weights in either format (eagle_head.py)
+HEAD_FILES = ["config.json", "*.safetensors", "pytorch_model*.bin"]
+
+
 def head_folder(source: str) -> Path:
-    """An EAGLE-3 head's folder: a path as given, else relative to the repository (the heads
-    this project trains live under ``models/``)."""
-    p = Path(source)
-    if not p.exists() and not p.is_absolute():
-        p = Path(__file__).resolve().parent.parent / source
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(f"no EAGLE-3 head at {source!r} (a folder with config.json)")
-    return p
+    """An EAGLE-3 head's folder, looked up in this order:
+
+    1. ``source`` as a path (``~`` expanded);
+    2. relative to the repository (the heads this project trains live under ``models/``);
+    3. a Hub id, only for a bare ``owner/name`` whose ``owner`` is no local folder (e.g.
+       ``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``): read through the Hugging Face cache as the
+       target is, which is the only step that may use the network (``HF_HUB_OFFLINE=1``: the
+       cache only). A mistyped local path never reaches the Hub."""
+    root = Path(__file__).resolve().parent.parent
+    here, repo = Path(source).expanduser(), root / source
+    for p in (here, repo):
+        if (p / "config.json").exists():
+            return p
+    owner, _, name = source.partition("/")
+    hub = bool(owner and name) and "/" not in name and not source.startswith((".", "/", "~"))
+    if hub and not Path(owner).is_dir() and not (root / owner).is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(source, allow_patterns=HEAD_FILES))
+        except Exception as e:  # offline and not cached, no such repository, gated, no network
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            raise FileNotFoundError(
+                f"no EAGLE-3 head at {source!r}: no folder with config.json at {here} or "
+                f"{repo}, and the Hub gave {type(e).__name__}: {why}"
+            ) from e
+    raise FileNotFoundError(
+        f"no EAGLE-3 head at {source!r}: no folder with config.json at {here} or {repo} "
+        f"(a published head is named by its Hub id, owner/name)"
+    )
 
 
 def eagle_drafter(source: str | None, model, runner: ModelRunner) -> EagleDrafter:

@@ -18,9 +18,11 @@ Drafting a chain, step j >= 2 feeds ``(o_prev, d_{j-1})`` at the next position i
 Files: the format SpecForge, vLLM and SGLang read (``LlamaForCausalLMEagle3``): a
 ``config.json`` (a Llama config with ``num_hidden_layers: 1``, ``draft_vocab_size``, optional
 ``target_hidden_size`` and ``eagle_config.eagle_aux_hidden_state_layer_ids``) and
-``model.safetensors`` with ``fc.weight``, ``midlayer.*`` (or ``layers.0.*``), ``norm.weight``,
-``lm_head.weight``, ``d2t`` (int64 offsets, ``[draft_vocab]``), ``t2d`` (bool, ``[vocab]``) and,
-optionally, ``embed_tokens.weight`` (absent: the target's embedding is used).
+``model.safetensors`` (or EAGLE's ``pytorch_model.bin``) with ``fc.weight``, ``midlayer.*`` (or
+``layers.0.*``), ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets, ``[draft_vocab]``),
+``t2d`` (bool, ``[vocab]``) and, optionally, ``embed_tokens.weight`` (absent: the target's
+embedding is used). Without ``d2t`` the head must draft over the whole vocabulary
+(``draft_vocab_size == vocab_size``); without ``t2d`` it is rebuilt from ``d2t``.
 """
 
 from __future__ import annotations
@@ -218,6 +220,24 @@ def save_head(head: Eagle3Head, folder: str | Path, dtype: torch.dtype = torch.b
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the head's weight files: ``*.safetensors``, else EAGLE's
+    ``pytorch_model*.bin`` (read with ``weights_only``: tensors, no pickled code)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        state.update(load_file(str(f)))
+    if not files:
+        files = sorted(folder.glob("pytorch_model*.bin"))
+        for f in files:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors or pytorch_model.bin file in {folder}")
+    return state
+
+
 def load_head(
     folder: str | Path,
     target_layers: int | None = None,
@@ -225,24 +245,25 @@ def load_head(
     device: torch.device | str = "cpu",
 ) -> Eagle3Head:
     """Read a head written in the EAGLE-3 format (ours or SpecForge's / EAGLE's)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     cfg = HeadConfig.from_json(json.loads((folder / "config.json").read_text()), target_layers)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors file in {folder}")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
     state = {
-        k.removeprefix("model.").replace("layers.0.", "midlayer."): v for k, v in state.items()
+        k.removeprefix("model.").replace("layers.0.", "midlayer."): v
+        for k, v in read_weights(folder).items()
     }
     head = Eagle3Head(cfg)
     embed = state.pop("embed_tokens.weight", None)
-    if "d2t" not in state:  # a head over the whole vocabulary
+    if "d2t" not in state:  # a head over the whole vocabulary, draft id = target id
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"EAGLE-3 head {folder}: draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
+                f"{cfg.vocab_size} and no d2t map in its weights"
+            )
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    if "t2d" not in state:  # vLLM reads d2t alone: t2d marks the target ids d2t reaches
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[state["d2t"] + torch.arange(state["d2t"].numel())] = True
+        state["t2d"] = t2d
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"EAGLE-3 head {folder}: missing {missing}, unexpected {unexpected}")

@@ -55,10 +55,10 @@ def acceptance_by_step(
         f = cache.features(runner, group, t2d)
         b = to_batch(runner, f, ids)
         if sampled:
-            flat = f.hidden.reshape(-1, f.hidden.shape[-1])
+            flat = f.hidden.reshape(-1, f.hidden.shape[-1]).to(runner.device)
             lse = torch.cat([runner.logits(c).logsumexp(-1) for c in flat.split(1024)])
             lse = lse.view(f.hidden.shape[:2])  # [B, S]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(runner.device.type, dtype=torch.bfloat16, enabled=bf16):
             outs = fwd(b.feats, b.tokens, steps)
         for j, mask, q in step_predictions(head.lm_head, outs, b.predict):
             tl = b.target_logits[:, 1 + j :][mask]  # [N, Vd]

@@ -105,7 +105,7 @@ def target_features(runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> 
     B, S = len(rows), max(len(r.ids) for r in rows)
     h = runner.forward([r.ids for r in rows], list(range(B)), logits="hidden")  # [B, S, H]
     assert runner.tapped is not None
-    feats = runner.tapped.clone()
+    feats = runner.tapped.to("cpu", copy=True)  # host tensors: cached (feature_cache.py)
     tokens = torch.zeros(B, S, dtype=torch.long)
     predict = torch.zeros(B, S, dtype=torch.bool)
     for b, r in enumerate(rows):
@@ -113,17 +113,18 @@ def target_features(runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> 
         predict[b, r.start - 1 : len(r.ids) - 1] = True  # position q predicts t_{q+1}
     flat = h.reshape(B * S, -1)
     top = torch.cat([runner.logits(c).argmax(-1) for c in flat.split(1024)])  # the target's top
-    predict &= t2d[top.view(B, S).cpu()]
-    return Features(tokens, feats, h, predict)
+    predict &= t2d.cpu()[top.view(B, S).cpu()]
+    return Features(tokens, feats, h.cpu(), predict)
 
 
 @torch.no_grad()
 def to_batch(runner: ModelRunner, f: Features, draft_ids: torch.Tensor) -> Batch:
-    """The training batch: the target's logits over the draft vocabulary from its hidden
-    states (the LM head's rows of ``draft_ids``)."""
-    w = runner.lm_head.weight[draft_ids.to(runner.device)]  # [draft_vocab, H]
-    target_logits = f.hidden.to(w.dtype) @ w.T  # [B, S, draft_vocab]
-    return Batch(f.tokens, f.feats, target_logits, f.predict)
+    """The training batch, on the runner's device: the target's logits over the draft
+    vocabulary from its hidden states (the LM head's rows of ``draft_ids``)."""
+    dev = runner.device
+    w = runner.lm_head.weight[draft_ids.to(dev)]  # [draft_vocab, H]
+    target_logits = f.hidden.to(dev, w.dtype) @ w.T  # [B, S, draft_vocab]
+    return Batch(f.tokens.to(dev), f.feats.to(dev), target_logits, f.predict.to(dev))
 
 
 def target_batch(

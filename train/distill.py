@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
     path, stats_path = out / f"{args.split}.jsonl", out / f"{args.split}.stats.json"
     cfg = EngineConfig.from_dict(
         {
-            "model": {"dtype": args.dtype, "native_q4": args.native_q4},
+            "model": {"dtype": args.dtype, "native_q4": args.native_q4, "device": args.device},
             "drafter": {"method": "none"},
             "max_running": args.batch,
             "max_model_len": args.max_prompt + args.max_tokens + 1,
@@ -170,6 +170,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU is lent")
     ap.add_argument("--native-q4", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="compiled decode steps (warm-up first)")

@@ -8,7 +8,7 @@ cache stores, per batch, what :func:`~train.batches.target_features` returns (bf
 the target computed it: ~4.6 KB a token in bf16) in ``<folder>/<tag>/<key>.pt``, where
 
 * ``tag`` names what the features depend on besides the rows: the target, its dtype, whether its
-  layers are 4-bit, and the tapped layers;
+  layers are 4-bit, the device type (other than the CPU) and the tapped layers;
 * ``key`` is a hash of the batch's rows (their token ids and where each answer starts).
 
 Invariant: a batch read back is the batch the target would compute again, bit for bit (same
@@ -65,8 +65,12 @@ class FeatureCache:
         return to_batch(runner, self.features(runner, rows, t2d), draft_ids)
 
 
-def cache_tag(target: str, dtype: str, native_q4: bool, taps: tuple[int, ...]) -> str:
-    """The folder name for features of this target configuration."""
+def cache_tag(
+    target: str, dtype: str, native_q4: bool, taps: tuple[int, ...], device: str = "cpu"
+) -> str:
+    """The folder name for features of this target configuration (a GPU's kernels round
+    differently from a CPU's: its features are kept apart; CPU names stay as they were)."""
     name = target.rstrip("/").split("/")[-1]
     q = "-q4" if native_q4 else ""
-    return f"{name}-{dtype}{q}-taps{'_'.join(str(t) for t in taps)}"
+    where = "" if device == "cpu" else f"-{device}"
+    return f"{name}-{dtype}{q}{where}-taps{'_'.join(str(t) for t in taps)}"

@@ -3,7 +3,8 @@
 
 One step: the target (in ``--dtype``) computes the batch's features and its distribution over
 the draft vocabulary (train/batches.py); the head runs ``ttt_steps`` training-time-test steps
-(train/ttt.py) in fp32 (or under bf16 autocast, ``--bf16``), AdamW with warm-up and cosine
+(train/ttt.py) in fp32 (or under bf16 autocast, ``--bf16``) on ``--device`` (cpu, or cuda: the
+same code), AdamW with warm-up and cosine
 decay. A checkpoint (head, optimizer, position in the data) is written every
 ``checkpoint_every`` steps and at the end; a run started again with the same ``--work`` resumes
 from it. The head is written in the EAGLE-3 format to ``--out`` with ``training.json``: data,
@@ -90,8 +91,9 @@ def run(args: argparse.Namespace) -> None:
     eval_rows: list[Row] = []
     if (data / args.eval_file).exists():
         eval_rows = read_rows(data / args.eval_file, args.max_len, args.eval_rows)
-    model, _ = load_model(DEFAULT_TARGET, args.dtype)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    dev = torch.device(args.device)
+    model, _ = load_model(DEFAULT_TARGET, args.dtype, args.device)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16)
     groups = batches(train_rows, args.tokens, seed=args.seed)
     slots = max(len(g) for g in groups + batches(eval_rows, args.tokens, 0))
     runner = ModelRunner(model, num_slots=slots, max_len=args.max_len)
@@ -119,12 +121,13 @@ def run(args: argparse.Namespace) -> None:
         with torch.no_grad():
             head.lm_head.weight.copy_(model.lm_head.weight[ids].float())
             head.norm.weight.copy_(model.model.norm.weight.float())
+    head.to(dev)
     runner.taps = head.config.aux_layers
     cache = FeatureCache(
         args.feature_cache or None,
-        cache_tag(DEFAULT_TARGET, args.dtype, args.native_q4, head.config.aux_layers),
+        cache_tag(DEFAULT_TARGET, args.dtype, args.native_q4, head.config.aux_layers, dev.type),
     )
-    rotary = LlamaRotaryEmbedding(config=head.config.llama_config())
+    rotary = LlamaRotaryEmbedding(config=head.config.llama_config()).to(dev)
     fwd = TTTForward(head, model.model.embed_tokens, rotary)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     total = args.epochs * len(groups)
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> None:
         total = min(total, args.max_steps)
     ckpt, step, seconds, seen = work / "checkpoint.pt", 0, 0.0, 0
     if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, map_location=dev, weights_only=False)
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step, seconds, seen = state["step"], state["seconds"], state["tokens"]
@@ -232,7 +235,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "token in bf16)",
     )
     ap.add_argument("--out", default="models/smollm2-135m-eagle3")
-    ap.add_argument("--draft-vocab", type=int, default=16384)
+    # 8,192: within ~1% of the best size by coverage and cost (loadtest/results/draft_vocab.txt)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument(
         "--vocab-from",
         default=None,
@@ -278,3 +282,4 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     # (or on a GPU); on an AVX2-only CPU bf16 matmuls run ~8x slower than fp32
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU is lent")

@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# python -m loadtest.bench.drafters --config {args.config} --repeat {args.repeat} "
         f"--max-tokens {args.max_tokens}"
-        + (f" --requests {args.requests}" if args.requests else ""),
+        + (f" --requests {args.requests}" if args.requests else "")
+        + (f" --llama-server {args.llama_server}" if args.llama_server else "")
+        + (f" --llama-eagle3 {args.llama_eagle3}" if llama_servers and args.llama_eagle3 else ""),
         (
             f"# {args.requests or 24} requests a level from the mix of 16 MT-Bench chats + "
             "8 HumanEval, greedy, streamed; plain = the same server with speculation off (ABBA)"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.drafters.eagle import WINDOW, EagleDrafter
-from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
+from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
 from engine.engine import SpecEngine
 from engine.k_control import FixedK
 from engine.model_runner import ModelRunner
@@ -89,40 +89,6 @@ def target():
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))] for _ in range(n)]
-
-
-def test_head_files_round_trip(tmp_path):
-    head = random_head(1)
-    save_head(head, tmp_path, dtype=torch.float32)
-    cfg = (tmp_path / "config.json").read_text()
-    assert '"LlamaForCausalLMEagle3"' in cfg and '"draft_vocab_size": 12' in cfg
-    back = load_head(tmp_path)
-    for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
-        assert torch.equal(a, b), name
-    assert back.config.aux_layers == head.config.aux_layers
-    assert torch.equal(back.draft_to_target, head.draft_to_target)
-
-
-def test_loader_reads_specforge_names(tmp_path):
-    """SpecForge / EAGLE write ``layers.0.*`` (or ``midlayer.*``), may add ``embed_tokens`` and
-    leave out the aux layer ids (then the target's defaults apply)."""
-    from safetensors.torch import save_file
-
-    head = random_head(2, layers=30)
-    state = {k.replace("midlayer.", "layers.0."): v for k, v in head.state_dict().items()}
-    state["embed_tokens.weight"] = torch.randn(VOCAB, HIDDEN)
-    save_file(state, str(tmp_path / "model.safetensors"))
-    cfg = head.config.to_json()
-    del cfg["eagle_config"]
-    import json
-
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    back = load_head(tmp_path, target_layers=30)
-    assert back.config.aux_layers == (2, 15, 27)
-    assert back.embed_tokens is not None
-    assert torch.equal(back.fc.weight, head.fc.weight)
-    with pytest.raises(ValueError, match="aux layers"):
-        load_head(tmp_path)
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])

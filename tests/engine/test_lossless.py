@@ -42,12 +42,12 @@ def head(real_fp32):
     return load_head(head_folder(HEAD), len(real_fp32[0].model.layers))
 
 
-def real_engine(real_fp32, method, num_layers=None, dtype=None, head=None):
+def real_engine(real_fp32, method, num_layers=None, dtype=None, head=None, slots=8):
     """An engine over the real model (fp32 target), 8 slots (tests/helpers.py)."""
     return helpers.engine_for(
         real_fp32[0],
         method,
-        slots=8,
+        slots=slots,
         max_len=1024,
         num_layers=num_layers,
         draft_dtype=getattr(torch, dtype) if dtype else None,
@@ -90,11 +90,16 @@ def test_eagle_head_is_lossless_and_accepts(real_fp32, prompts, reference, head)
 
 def test_eagle_head_under_adaptive_k_is_lossless(real_fp32, prompts, reference, head):
     """The default controller (measured costs of this machine, the head's draft step priced
-    live), batched: exact whatever K it picks."""
-    engine = real_engine(real_fp32, "eagle3", head=head)
-    seqs = engine.generate(prompts, GREEDY, SpecParams())
-    assert_same(seqs, reference)
+    live), batched: exact whatever K it picks. Eight requests of 11..32 tokens in 4 slots, so
+    rows join and leave the batch (the head's cache slots reused) while others run."""
+    engine = real_engine(real_fp32, "eagle3", head=head, slots=4)
+    lengths = [MAX_TOKENS - 3 * i for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
+    seqs = engine.generate(prompts, params, SpecParams())
+    assert_same(seqs, [ref[:n] for ref, n in zip(reference, lengths)])
     assert engine.controller.calibrated and engine.drafter_failures == 0
+    assert sum(s.drafted for s in seqs) > 0
+    assert engine.target.cache.used_tokens() == 0 and engine.drafter.cache.used_tokens() == 0
 
 
 def test_self_draft_accepts_everything(real_fp32, prompts, reference):

