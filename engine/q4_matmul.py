@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -79,41 +79,59 @@ def cpu_has_flags(wanted: list[str]) -> bool:
     return all(f in flags for f in wanted)
 
 
+def probe_kernel(
+    what: str,
+    flags: list[str],
+    load: Callable[[], None],
+    self_test: Callable[[], bool],
+    logger: logging.Logger,
+    fallback: str = "",
+) -> bool:
+    """Whether a C++ kernel runs here: the CPU lists ``flags``, ``load`` builds and loads it,
+    and ``self_test`` agrees with its reference. A failure is logged on ``logger`` (``fallback``:
+    what serves instead), never raised."""
+    if not cpu_has_flags(flags):
+        return False
+    try:
+        load()
+        ok = self_test()
+    except Exception as e:  # noqa: BLE001 -- no compiler or ninja, a failed build
+        logger.warning("%s unavailable (%s: %s)%s",
+                       what, type(e).__name__, str(e).strip()[:300], fallback)  # fmt: skip
+        return False
+    if not ok:
+        logger.warning("%s disagrees with its reference%s", what, fallback)
+    return ok
+
+
 @functools.cache
 def kernel_available() -> bool:
     """specd's kernel is built, loaded and agrees with a dense reference (probed once per
     process; ``SPECD_Q4_KERNEL=0`` switches it off)."""
-    if os.environ.get("SPECD_Q4_KERNEL", "1") == "0" or not cpu_has_flags(_FLAGS):
+    if os.environ.get("SPECD_Q4_KERNEL", "1") == "0":
         return False
-    try:
-        _load_library()
-        ok = _self_test()
-    except Exception as e:  # noqa: BLE001 -- no compiler or ninja, a failed build: torch serves
-        log.warning("specd's 4-bit kernel unavailable (%s: %s); using torch's",
-                    type(e).__name__, str(e).strip()[:300])  # fmt: skip
-        return False
-    if not ok:
-        log.warning("specd's 4-bit kernel disagrees with its reference; using torch's")
-    return ok
+    return probe_kernel("specd's 4-bit kernel", _FLAGS, _load_library, _self_test, log,
+                        fallback="; using torch's")  # fmt: skip
 
 
-def venv_ninja_on_path() -> None:
-    """Put the interpreter's folder on PATH where it holds ninja (a venv's, where the venv is not
-    activated): torch's C++ extension loader needs it."""
+def build_extension(name: str, src: Path, flags: list[str]) -> None:
+    """Build (once per source and flags, cached by torch's C++ extension loader) and load an
+    OpenMP op library compiled for the CPU ``flags``. The interpreter's folder goes on PATH where
+    it holds ninja (a venv's, where the venv is not activated): the loader needs it."""
+    from torch.utils.cpp_extension import load
+
     here = str(Path(sys.executable).parent)
     if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+    cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in flags]
+    load(name, [str(src)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+         is_python_module=False, verbose=False)  # fmt: skip
 
 
 @functools.cache
 def _load_library() -> None:
-    """Build (once per source and flags, cached by torch's extension loader) and load the op."""
-    from torch.utils.cpp_extension import load
-
-    venv_ninja_on_path()
-    cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in _FLAGS]
-    load("specd_q4_avx512", [str(_SRC)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)  # fmt: skip
+    """Build and load the op (:func:`build_extension`), once per process."""
+    build_extension("specd_q4_avx512", _SRC, _FLAGS)
     torch.library.register_fake("specd_q4::mm")(
         lambda x, packed: x.new_empty(x.shape[0], packed.shape[0] * 16)
     )

@@ -27,7 +27,8 @@ class Row:
     start: int  # index of the first output token
 
 
-def read_rows(path: Path, max_len: int, limit: int = 0) -> list[Row]:
+def read_rows(path: Path, max_len: int, limit: int = 0, greedy_only: bool = False) -> list[Row]:
+    """The records of ``path`` as rows (``greedy_only``: those answered at temperature 0)."""
     rows = []
     with open(path) as f:
         for line in f:
@@ -35,6 +36,8 @@ def read_rows(path: Path, max_len: int, limit: int = 0) -> list[Row]:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
+            if greedy_only and r.get("temperature", 1.0) != 0:
+                continue
             ids = (r["prompt_ids"] + r["output_ids"])[:max_len]
             if len(r["prompt_ids"]) + 1 < len(ids):
                 rows.append(Row(ids, len(r["prompt_ids"])))

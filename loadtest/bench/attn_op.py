@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.q4_matmul import cpu_has_flags, venv_ninja_on_path
+from engine.q4_matmul import build_extension, probe_kernel
 
 log = logging.getLogger("specd.bench.attention")
 _SRC = Path(__file__).with_name("csrc") / "attn_avx512.cpp"
@@ -43,30 +43,14 @@ def attend(
 @functools.cache
 def available() -> bool:
     """The kernel is built, loaded and agrees with :func:`reference` (probed once per process)."""
-    if not cpu_has_flags(_FLAGS):
-        return False
-    try:
-        load()
-        ok = _self_test()
-    except Exception as e:  # noqa: BLE001 -- no compiler or ninja, a failed build
-        log.warning("specd's CPU attention unavailable (%s: %s)",
-                    type(e).__name__, str(e).strip()[:300])  # fmt: skip
-        return False
-    if not ok:
-        log.warning("specd's CPU attention disagrees with its reference")
-    return ok
+    return probe_kernel("specd's CPU attention", _FLAGS, load, _self_test, log)
 
 
 def load() -> None:
-    """Build (once per source and flags, cached by torch's extension loader) and load the op."""
+    """Build and load the op (engine/q4_matmul.py's :func:`build_extension`), once."""
     if hasattr(torch.ops.specd_attn, "attend"):
         return
-    from torch.utils.cpp_extension import load as load_extension
-
-    venv_ninja_on_path()
-    cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in _FLAGS]
-    load_extension("specd_attn_avx512", [str(_SRC)], extra_cflags=cflags,
-                   extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)  # fmt: skip
+    build_extension("specd_attn_avx512", _SRC, _FLAGS)
     torch.library.register_fake("specd_attn::attend")(
         lambda q, k, v, mask, scale: torch.empty_like(q, memory_format=torch.contiguous_format)
     )

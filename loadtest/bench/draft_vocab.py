@@ -21,9 +21,7 @@ measured K = 1 round: loadtest/results/head_confidence.txt).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,42 +29,19 @@ import torch
 SIZES = (2048, 4096, 8192, 16384, 32768)
 
 
-def median_ms(fn, repeat: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
-
-
 def lm_head_ms(rows: int, hidden: int, tokens: int = 1, seed: int = 0) -> float:
     """Median time of the head's 4-bit LM-head matmul, ``tokens`` x ``[rows, hidden]`` (rows
     rounded up to a multiple of 32, as the 4-bit packing needs)."""
     from engine.drafters.eagle_q4 import quantize
     from engine.q4_matmul import q4_linear
+    from engine.timing import time_calls
 
     rows = -(-rows // 32) * 32
     g = torch.Generator().manual_seed(seed)
     w = quantize(torch.randn(rows, hidden, generator=g) * 0.02, torch.bfloat16)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
-        return median_ms(lambda: q4_linear(x, w))
-
-
-def greedy_rows(path: Path, max_len: int):
-    """The rows of ``path`` answered at temperature 0."""
-    from train.batches import Row
-
-    rows = []
-    for line in path.open():
-        r = json.loads(line)
-        ids = (r["prompt_ids"] + r["output_ids"])[:max_len]
-        if r.get("temperature", 1.0) == 0 and len(r["prompt_ids"]) < len(ids):
-            rows.append(Row(ids, len(r["prompt_ids"])))
-    return rows
+        return 1e3 * statistics.median(time_calls(lambda: q4_linear(x, w), "cpu", 300, warmup=20))
 
 
 def k1_speed(agreement: float, coverage: float, base_coverage: float, extra_ms: float, round_ms):
@@ -95,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-ms", type=float, default=14.8, help="a K = 1 round, measured")
     args = ap.parse_args(argv)
     train = read_rows(Path(args.train), 10**6)
-    held, greedy = read_rows(Path(args.eval), 10**6), greedy_rows(Path(args.eval), 10**6)
+    held = read_rows(Path(args.eval), 10**6)
+    greedy = read_rows(Path(args.eval), 10**6, greedy_only=True)
     print(f"# vocabulary counted on {args.train} ({len(train)} answers); coverage on {args.eval}")
     print(f"# ({len(held)} e-bucket answers, {len(greedy)} of them greedy); LM head 4-bit, bf16")
     vocabs = {str(n): draft_vocab(train, int(n))[0] for n in args.sizes.split(",")}

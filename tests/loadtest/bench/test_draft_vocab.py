@@ -27,6 +27,8 @@ def test_bench_prints_coverage_by_size(tmp_path, capsys):
     # counts in the training answers: 5 x4, 6 x3, 7 x2, 8 x1 (no ties)
     write("train.jsonl", [[5, 5, 5, 6, 6, 7], [5, 6, 7, 8]], 0.7)
     write("eval.jsonl", [[5, 6, 7, 9]], 0.0)
+    with open(tmp_path / "eval.jsonl", "a") as f:  # a sampled answer: in "cov e", not greedy's
+        f.write(json.dumps({"prompt_ids": [1, 2], "output_ids": [9, 9, 9, 9], "temperature": 0.7}))
     argv = [f"--train={tmp_path / 'train.jsonl'}", f"--eval={tmp_path / 'eval.jsonl'}"]
     assert draft_vocab.main(argv + ["--sizes=1,2,3", "--head=", "--base=2", "--hidden=64"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
@@ -34,6 +36,7 @@ def test_bench_prints_coverage_by_size(tmp_path, capsys):
     assert sorted(table) == [1, 2, 3]
     # e's answer 5 6 7 9: the top-1 vocabulary {5} covers 1/4, {5, 6} 2/4, {5, 6, 7} 3/4
     assert [float(table[n][4]) for n in (1, 2, 3)] == [0.25, 0.5, 0.75]
+    assert [float(table[n][3]) for n in (1, 2, 3)] == [0.125, 0.25, 0.375]  # both e answers
     assert float(table[3][2]) == 0.9  # 9 of the 10 training answer tokens
     assert float(table[2][6]) == 0.0 and float(table[2][7]) == 1.0  # the base against itself
 
