@@ -17,7 +17,7 @@ from .drafters.hybrid import HybridDrafter
 from .drafters.model import check_same_vocab
 from .eagle_head import load_head
 from .engine import SpecEngine
-from .fast_forward import attach
+from .fast_forward import attach, fast_mode
 from .grammar import GrammarCompiler
 from .k_control import AdaptiveK, FixedK, HeuristicK, KController
 from .loader import default_cache_dir, load_model
@@ -169,10 +169,12 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         drafter = eagle = eagle_drafter(d.source, model, runner)
         if d.head_q4:
             eagle.use_q4()
-        # the head's step compiled too (engine/drafters/eagle_step.py), on CPU: its graphs are
-        # guardless, which CUDA does not run (engine/fast_forward.fast_mode); there it is eager
+        # the head's step compiled too: on CPU inductor's guardless graphs (eagle_step.py),
+        # which CUDA does not run (fast_forward.fast_mode); there CUDA graphs (eagle_graphs.py)
         if cfg.compile.enabled and runner.device.type == "cpu":
             eagle.compile(cfg.compile.backend)
+        elif cfg.compile.enabled and fast_mode(cfg.compile, runner.device) == "cuda-graphs":
+            eagle.compile(capture_kv_align=cfg.compile.kv_align)
         if d.ngram_fallback:
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
     else:

@@ -32,7 +32,8 @@ fi
 QUICK="tests/engine/test_cuda_graphs.py tests/engine/test_round.py tests/engine/test_spec_coverage.py
   tests/engine/test_model_runner.py tests/engine/test_kv_cache.py tests/engine/test_rejection.py
   tests/engine/test_sampling.py tests/engine/test_penalties.py tests/engine/test_forced.py
-  tests/engine/test_eagle.py tests/engine/test_hybrid.py tests/engine/test_engine_stops.py
+  tests/engine/test_eagle.py tests/engine/test_eagle_graphs.py tests/engine/test_hybrid.py
+  tests/engine/test_engine_stops.py
   tests/engine/test_worker.py tests/engine/test_transfer.py tests/engine/test_prefill.py"
 COMPILING="tests/engine/test_eagle_step.py tests/engine/test_fast_forward.py"
 pytest_cuda() {  # name, time limit, pytest arguments...

@@ -28,7 +28,6 @@ Invariant after ``commit``: ``skipped + real + len(pending) == N - 1``, so the n
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
@@ -43,6 +42,7 @@ from ..sampling import logits_to_probs
 from ..sequence import Sequence
 from ..transfer import to_device
 from .base import DrafterBase, Proposal
+from .eagle_graphs import HeadCapture
 from .eagle_step import HeadGraphs, HeadWeights, head_forward
 
 log = logging.getLogger("specd.eagle")
@@ -150,26 +150,25 @@ class EagleDrafter(DrafterBase):
         return True
 
     # -- compiled path ------------------------------------------------------------------------
-    def compile(self, backend: str = "inductor") -> None:
-        """Compiled graphs without guards (eagle_step.py), compiled by :meth:`warm_up`."""
-        self.forward = HeadGraphs(backend)
+    def compile(self, backend: str = "inductor", capture_kv_align: int | None = None) -> None:
+        """The head's fast path, made ready by :meth:`warm_up`: inductor's graphs without guards
+        (eagle_step.py, on CPU), or with ``capture_kv_align`` CUDA graphs (eagle_graphs.py)."""
+        if capture_kv_align is None:
+            self.forward = HeadGraphs(backend)
+        else:  # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
+            c = self.cache
+            self.forward = HeadCapture(c.scratch_pos, c.num_slots, capture_kv_align, c.max_len,
+                                       2 * WINDOW)  # fmt: skip
 
     def warm_up(self) -> None:
-        """Compile every graph key (rows and q each 1 or more; ingest or chain) on the scratch
-        column: nothing committed is read or changed."""
-        if not isinstance(self.forward, HeadGraphs):
-            return
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for rows in (1, 2):
-                for q, ingest in ((1, True), (3, True), (1, False)):
-                    width = self.head.fc.in_features if ingest else self.head.config.hidden_size
-                    x = torch.zeros(rows, q, width, dtype=self.dtype, device=self.device)
-                    ids = torch.zeros(rows, q, dtype=torch.long, device=self.device)
-                    scratch = torch.full((rows, q), self.cache.scratch_pos, device=self.device)
-                    self._run(ids, x, [q - 1] * rows, list(range(rows)), torch.zeros_like(ids),
-                              scratch, 1, ingest)  # fmt: skip
-        log.info("compiled the EAGLE-3 head in %.1f s", time.perf_counter() - t0)
+        """Compile or capture every graph key on the scratch column (nothing committed is read
+        or changed)."""
+        width = (self.head.fc.in_features, self.head.config.hidden_size)  # ingest, chain
+        kv = (self.cache.k[0], self.cache.v[0])
+        if isinstance(self.forward, HeadCapture):
+            self.forward.capture_all(self.weights, *kv, self.shape, width)
+        elif isinstance(self.forward, HeadGraphs):
+            self.forward.warm_up(self._run, width, self.dtype, self.device, self.cache.scratch_pos)
 
     def _run(self, ids, x, last, slots, pos, write_pos, kv_len, ingest):
         """:func:`head_forward` (compiled or eager) on the head's weights and cache; ``last``,

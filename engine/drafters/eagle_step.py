@@ -17,6 +17,8 @@ marked dynamic and in tensor values.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -29,6 +31,8 @@ from ..layer_weights import LayerWeights
 
 if TYPE_CHECKING:
     from ..layer_weights import Weight
+
+log = logging.getLogger("specd.eagle")
 
 
 class HeadWeights(NamedTuple):
@@ -96,6 +100,20 @@ class HeadGraphs:
             fn = self.graphs[key] = compile_guardless(head_forward, self.backend)
             self._mark(ids, x, last, pos, write_pos, kv_idx, slot_t)
         return fn(*args)
+
+    def warm_up(self, run: Callable, width: tuple[int, int], dtype, device, scratch_pos: int):
+        """Compile every key through the drafter's ``run`` (EagleDrafter._run) on the scratch
+        column: rows and q each 1 or more, ingest or chain (``width``: ingest's, chain's x)."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for rows in (1, 2):
+                for q, ingest in ((1, True), (3, True), (1, False)):
+                    x = torch.zeros(rows, q, width[not ingest], dtype=dtype, device=device)
+                    ids = torch.zeros(rows, q, dtype=torch.long, device=device)
+                    scratch = torch.full((rows, q), scratch_pos, device=device)
+                    run(ids, x, [q - 1] * rows, list(range(rows)), torch.zeros_like(ids), scratch,
+                        1, ingest)  # fmt: skip
+        log.info("compiled the EAGLE-3 head in %.1f s", time.perf_counter() - t0)
 
     @staticmethod
     def _mark(ids, x, last, pos, write_pos, kv_idx, slot_t) -> None:

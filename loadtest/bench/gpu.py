@@ -186,7 +186,9 @@ class Bench:
     def s4(self) -> None:
         if "s2" not in self.r:
             self.s2()
-        self.r["s4"] = {"model": self.spec_rows(self.engine, self.r["s2"]["c"], self.a.draft)}
+        model = self.a.model_s4  # the draft model's rows (--no-model-s4: the head's only)
+        self.r["s4"] = {"model": self.spec_rows(self.engine, self.r["s2"]["c"], self.a.draft)
+                        if model else []}  # fmt: skip
         self.save()
         if not self.a.eagle:
             return
@@ -206,6 +208,10 @@ class Bench:
             tok = torch.tensor([42], device=dev)
             o = torch.zeros(1, head.config.hidden_size, dtype=self.dtype, device=dev)
             step = lambda: d._chain(tok, o, [0], [ctx])[1].argmax(-1)  # noqa: E731
+            k["eagle_eager_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
+            if self.a.compile != "none":  # as the builder: the head's CUDA graphs, every bucket
+                d.compile(capture_kv_align=64)  # (engine/drafters/eagle_graphs.py)
+                k["eagle_capture_s"] = time_call(d.warm_up, dev)
             k["eagle_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
             fwd = lambda: t.forward(tok[:, None], [0], [1])  # noqa: E731
             k["eagle_target_ms"] = med(time_calls(fwd, dev, self.a.reps, warmup=3)) * 1e3
@@ -213,9 +219,8 @@ class Bench:
             t.cache.free(0)
             d.cache.free(0)
         k["eagle_c"] = k["eagle_step_ms"] / k["eagle_target_ms"]
-        self.log(
-            f"EAGLE-3 head (eager): {parts.short({x: v for x, v in k.items() if x != 'model'})}"
-        )
+        k["eagle_graphs"] = getattr(d.forward, "captures", None)  # None: the head ran eagerly
+        self.log(f"EAGLE-3 head: {parts.short({x: v for x, v in k.items() if x != 'model'})}")
         k["eagle"] = self.spec_rows(eng, k["eagle_c"], "eagle3")
 
     def load(self, eng: SpecEngine, batch: int, spec: SpecParams, max_tokens: int) -> dict:

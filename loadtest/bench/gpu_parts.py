@@ -129,6 +129,12 @@ def parse_args(argv, doc: str):
     ):  # fmt: skip
         ap.add_argument(f"--{name}", default=default, type=type(default), help=doc or None)
     ap.add_argument("--no-eagle", dest="eagle", action="store_false")
+    ap.add_argument(
+        "--no-model-s4",
+        dest="model_s4",
+        action="store_false",
+        help="section 4 without the draft model's rows: the EAGLE-3 head's only",
+    )
     return ap.parse_args(argv)
 
 

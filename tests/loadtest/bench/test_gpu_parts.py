@@ -10,3 +10,8 @@ def test_fuse_option_picks_the_runners_whose_graphs_fuse():
         assert (t.fuse, d.fuse) == (target, draft)
         assert t.enabled and t.mode == "cuda-graphs" and t.layers_per_graph == 4
         assert t.batch_buckets == [1, 8] and t.q_buckets == [1, 2, 3, 4, 5]
+
+
+def test_section_four_may_skip_the_draft_models_rows():
+    assert parse_args([], "").model_s4 and parse_args([], "").eagle
+    assert not parse_args(["--no-model-s4"], "").model_s4

@@ -1,0 +1,169 @@
+"""The EAGLE-3 head's forward replayed as CUDA graphs (``compile.mode: cuda-graphs`` on CUDA).
+
+On CUDA the head otherwise runs eagerly (inductor's guardless graphs are not used there,
+engine/fast_forward.fast_mode): one chained draft step of a head shaped for Llama-3.1-8B is ~60
+kernel launches, 1.42 ms on an H100 (loadtest/results/gpu_h100.txt), where reading its weights
+takes a fraction of that. :class:`HeadCapture` is callable as
+:func:`~engine.drafters.eagle_step.head_forward` and replays one recorded graph per key
+(rows bucket, q bucket, key-length bucket, ingest or chain); a call outside the buckets (a
+prompt's take-in at admission, longer than the largest q bucket) runs the eager function.
+
+Invariants:
+
+- A call's rows are rows ``[0, rows)`` of its bucket. Padding rows read slot 0 at position 0 and
+  write only the scratch column; past a row's own q, the caller's ``write_pos`` already names
+  the scratch column, and the q padding up to the bucket writes there too. Keys past a row's
+  position are masked, so a longer key bucket reads more keys but attends to the same ones.
+- Every static index input (positions, write positions, slots, ``last``) is rewritten whole on
+  every call, padding included: a buffer never keeps a previous call's slots and positions,
+  which would write into another row's cache. Token ids and features past the real ones may be
+  stale: padding outputs are dropped.
+- Weights, caches, the layer shape and the dtype are those of the first call, fixed for the
+  drafter's life (a graph reads memory by address).
+- The graphs of one (rows, q, ingest) shape share their static inputs, whatever their key length.
+- The head's graphs share a memory pool of their own, so a replay may overwrite any of the head's
+  graphs' outputs, never the target's or the draft model's: a call returns copies.
+- The same function as the eager path (drafts are proposals: the verify keeps output exact
+  whatever rounding a bucket's shapes give). Without CUDA, a replay re-runs the function on the
+  static buffers, which tests the padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cuda_graphs import kv_buckets, record
+from ..fast_forward import _bucket, default_buckets
+from ..layer import LayerShape
+from .eagle_step import HeadWeights, head_forward
+
+log = logging.getLogger("specd.eagle")
+
+
+@dataclass
+class _Graph:
+    """One key's recorded forward: its static inputs and outputs, and its replay."""
+
+    ids: torch.Tensor  # [nb, qb] long
+    x: torch.Tensor  # [nb, qb, width]: target features (ingest) or the head's outputs (chain)
+    last: torch.Tensor  # [nb] long: the query each row's output is read at
+    pos: torch.Tensor  # [nb, qb] long
+    write_pos: torch.Tensor  # [nb, qb] long
+    slot_t: torch.Tensor  # [nb] long
+    kv_idx: torch.Tensor  # [kv] arange (constant; held: the graph reads it)
+    out: torch.Tensor  # [nb, hidden] the layer's output at ``last``
+    logits: torch.Tensor  # [nb, draft_vocab] float32
+    replay: object
+
+
+class HeadCapture:
+    """Callable as ``head_forward``; records a key's graph on its first call (or at
+    :meth:`capture_all`, the drafter's warm-up)."""
+
+    def __init__(self, scratch_pos: int, slots: int, kv_align: int, max_len: int, q_max: int):
+        self.scratch_pos = scratch_pos
+        self.row_buckets = default_buckets(slots)
+        self.q_buckets = default_buckets(q_max)  # an ingest's q; a chained step has q = 1
+        self.kv_buckets = kv_buckets(kv_align, max_len + 1)
+        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
+        self.inputs: dict[tuple[int, int, bool], tuple[torch.Tensor, ...]] = {}  # (nb, qb, ingest)
+        self.pool: Any = None  # the head's own memory pool, made at the first capture on CUDA
+        self.captures = self.calls = self.eager_calls = 0
+
+    def key(self, rows: int, q: int, kv_len: int, ingest: bool):
+        """(rows bucket, q bucket, key-length bucket, ingest), or None: the call runs eagerly."""
+        nb, kv = _bucket(self.row_buckets, rows), _bucket(self.kv_buckets, kv_len)
+        qb = _bucket(self.q_buckets, q) if ingest else (1 if q == 1 else None)
+        return None if nb is None or qb is None or kv is None else (nb, qb, kv, ingest)
+
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        x: torch.Tensor,
+        last: torch.Tensor,
+        w: HeadWeights,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_idx: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        slot_t: torch.Tensor,
+        shape: LayerShape,
+        ingest: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :func:`head_forward`: outputs ``[rows, hidden]``, logits ``[rows, draft_vocab]``."""
+        rows, q = ids.shape
+        key = self.key(rows, q, kv_idx.shape[0], ingest)
+        if key is None:
+            self.eager_calls += 1
+            return head_forward(ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape,
+                                ingest)  # fmt: skip
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(key, x.shape[-1], w, kc, vc, shape)
+        g.pos.zero_()  # padding: slot 0, position 0, written to the scratch column
+        g.write_pos.fill_(self.scratch_pos)
+        g.slot_t.zero_()
+        g.last.zero_()
+        g.ids[:rows, :q].copy_(ids)
+        g.x[:rows, :q].copy_(x)
+        g.last[:rows].copy_(last)
+        g.pos[:rows, :q].copy_(pos)
+        g.write_pos[:rows, :q].copy_(write_pos)
+        g.slot_t[:rows].copy_(slot_t)
+        g.replay()  # type: ignore[operator]
+        self.calls += 1
+        return g.out[:rows].clone(), g.logits[:rows].clone()
+
+    def capture_all(self, w: HeadWeights, kc, vc, shape: LayerShape, widths: tuple[int, int]):
+        """Record every key (``widths``: the features' width for an ingest, the head's hidden
+        size for a chained step). Nothing committed is written: every write goes to the
+        scratch column."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for nb in self.row_buckets:
+                for kv in self.kv_buckets:
+                    for qb, ingest in [(q, True) for q in self.q_buckets] + [(1, False)]:
+                        key = (nb, qb, kv, ingest)
+                        if key not in self.graphs:
+                            width = widths[0] if ingest else widths[1]
+                            self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
+        log.warning("captured the EAGLE-3 head: %d CUDA graphs in %.1f s", len(self.graphs),
+                    time.perf_counter() - t0)  # fmt: skip
+
+    def _capture(self, key, width: int, w: HeadWeights, kc, vc, shape: LayerShape) -> _Graph:
+        nb, qb, kv, ingest = key
+        dev = kc.device
+        ins = self.inputs.get((nb, qb, ingest))
+        if ins is None:  # one set of static inputs serves every key-length bucket of a shape
+            longs = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
+            x = torch.zeros(nb, qb, width, dtype=w.embed.dtype, device=dev)
+            ins = self.inputs[(nb, qb, ingest)] = (longs(nb, qb), x, longs(nb), longs(nb, qb),
+                                                   longs(nb, qb), longs(nb))  # fmt: skip
+        ids, x, last, pos, write_pos, slot_t = ins
+        write_pos.fill_(self.scratch_pos)  # the runs before the recording write the scratch column
+        kv_idx = torch.arange(kv, device=dev)
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            return head_forward(ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape,
+                                ingest)  # fmt: skip
+
+        if dev.type == "cuda":
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            (out, logits), replay = record(forward, self.pool)
+        else:  # no CUDA: a replay re-runs the function into the same outputs (tests the plumbing)
+            out, logits = forward()
+
+            def replay() -> None:
+                o, lg = forward()
+                out.copy_(o)
+                logits.copy_(lg)
+
+        self.captures += 1
+        return _Graph(ids, x, last, pos, write_pos, slot_t, kv_idx, out, logits, replay)
