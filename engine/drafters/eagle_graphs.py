@@ -81,28 +81,15 @@ class HeadCapture:
         qb = _bucket(self.q_buckets, q) if ingest else (1 if q == 1 else None)
         return None if nb is None or qb is None or kv is None else (nb, qb, kv, ingest)
 
-    def __call__(
-        self,
-        ids: torch.Tensor,
-        x: torch.Tensor,
-        last: torch.Tensor,
-        w: HeadWeights,
-        pos: torch.Tensor,
-        write_pos: torch.Tensor,
-        kv_idx: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        slot_t: torch.Tensor,
-        shape: LayerShape,
-        ingest: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :func:`head_forward`: outputs ``[rows, hidden]``, logits ``[rows, draft_vocab]``."""
+    def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """Arguments as :func:`head_forward`'s; outputs ``[rows, hidden]``, logits
+        ``[rows, draft_vocab]``."""
+        ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest = args
         rows, q = ids.shape
         key = self.key(rows, q, kv_idx.shape[0], ingest)
         if key is None:
             self.eager_calls += 1
-            return head_forward(ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape,
-                                ingest)  # fmt: skip
+            return head_forward(*args)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(key, x.shape[-1], w, kc, vc, shape)
@@ -150,8 +137,9 @@ class HeadCapture:
         kv_idx = torch.arange(kv, device=dev)
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            return head_forward(ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape,
-                                ingest)  # fmt: skip
+            return head_forward(
+                ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest
+            )
 
         if dev.type == "cuda":
             if self.pool is None:
