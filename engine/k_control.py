@@ -35,11 +35,8 @@ joins at r + 1 takes that K*. Until the cost model is calibrated, K* = 0.
 
 Probing
 -------
-At K* = 0 nothing is observed and α could never recover when the text turns predictable. After
-``probe_interval`` rounds at K* = 0, one round drafts ``probe_k`` tokens for every adaptive row
-(spaced further apart where a probe costs more than ``probe_budget`` of the rounds between two);
-and each round at K = 0 ages a row's evidence (k_state.py), so an estimate that stopped drafting
-at a dip returns towards the prior instead of waiting for the probe.
+Where K* = 0, a round now and then drafts anyway, to see whether drafting pays again
+(:class:`~engine.k_probe.Prober`: spaced by their cost, rarer after probes that found nothing).
 
 Catch-up: a stateful drafter (a draft model, an EAGLE head) first takes in what its state missed,
 Σ_i backlog_i positions beyond one a row (drafters/base.py ``backlogs``, read after each commit),
@@ -68,6 +65,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .calibration import calibrate
+from .k_probe import Prober
 from .k_state import KState
 from .round_cost import CostModel, RoundCost
 
@@ -192,12 +190,11 @@ class AdaptiveK(KController):
         self.always_drafts = always_drafts  # m = 1: the drafter proposes whenever asked
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
         self.price_catch_up = price_catch_up  # False: fitted, not priced (a benchmark's mode)
-        self.probe_interval, self.probe_k, self.probe_budget = probe_interval, probe_k, probe_budget
+        self.prober = Prober(probe_interval, probe_k, probe_budget)
         self.cost: CostModel = cost or RoundCost()
         self.widths = np.arange(k_max + 1)  # [K_max + 1] candidate widths w
         self.calibrated = cost is not None  # an injected cost model needs no calibration
         self._k_next: int | None = None  # K* for the next round
-        self._zero_rounds = 0
         self._reset_sums()
 
     def _reset_sums(self) -> None:
@@ -286,15 +283,5 @@ class AdaptiveK(KController):
         best = int(np.argmax(goodput))
         if goodput[best] < goodput[0] * (1.0 + self.min_gain):
             best = 0
-        if best == 0:
-            self._zero_rounds += 1
-            probe = min(self.probe_k, self.k_max)
-            # probe at most every probe_interval rounds, and rarer when a probe round costs more
-            # than probe_budget of the rounds between two probes (large batches)
-            extra = seconds[probe] / seconds[0] - 1.0
-            if self._zero_rounds >= max(self.probe_interval, extra / self.probe_budget):
-                self._zero_rounds = 0
-                best = probe
-        else:
-            self._zero_rounds = 0
-        return best
+        probe = min(self.prober.k, self.k_max)
+        return min(self.prober.decide(best, batch, seconds[probe] / seconds[0] - 1.0), self.k_max)

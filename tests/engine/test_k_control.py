@@ -62,7 +62,7 @@ def mostly_zero(ks, ctrl):
     """K = 0 in every round but the probes (one in probe_interval rounds, at probe_k) and a
     round after a probe at most."""
     nonzero = [k for k in ks if k]
-    return len(nonzero) <= 2 * len(ks) / ctrl.probe_interval + 2 and max(ks) <= ctrl.probe_k
+    return len(nonzero) <= 2 * len(ks) / ctrl.prober.interval + 2 and max(ks) <= ctrl.prober.k
 
 
 CPU_LINEAR = linear_cost(0.010, 0.010, 0.010)  # each verified token costs a full token's time
@@ -145,9 +145,9 @@ def test_follows_a_change_of_alpha_within_bounded_rounds():
     ctrl = controller(CHEAP_VERIFY, probe_interval=16)
     ks = simulate(ctrl, [0.95] * 60 + [0.02] * 60 + [0.95] * 60, CHEAP_VERIFY, seed=3)
     assert min(ks[30:60]) >= 4  # predictable: large K
-    assert all(k <= ctrl.probe_k for k in ks[60 + 10 : 120])  # down within 10 rounds
+    assert all(k <= ctrl.prober.k for k in ks[60 + 10 : 120])  # down within 10 rounds
     recovered = next(i for i, k in enumerate(ks[120:]) if k >= 4)
-    assert recovered <= ctrl.probe_interval + 10  # back up within a probe interval and a few rounds
+    assert recovered <= ctrl.prober.interval + 10  # within a probe interval and a few rounds
 
 
 def test_speculation_shrinks_as_the_batch_grows():
