@@ -10,7 +10,9 @@ drafting at a dip returns towards the prior instead of waiting for a probe.)
 Backoff, for batches of two rows or more: after ``GRACE`` probes in a row after which K* stayed
 0, each further one doubles the spacing of the next, up to ``PROBE_BACKOFF`` times, per batch
 size class (powers of two: what a batch of 8 found says little about one of 32); a round that
-drafts on its own merit resets its class. Where drafting does not pay, exploring then costs a
+drafts on its own merit resets its class (its count is kept until then: requests that join a
+batch of that size inherit the spacing; a probe is charged to the class of the batch that
+made it). Where drafting does not pay, exploring then costs a
 quarter of the budget: at c = 8 on 2 Xeon cores, where the goodput rule keeps the batch plain,
 the probes had cost their whole 2% and returned ~0.7%, and the batch ran at 0.98x plain
 (loadtest/results/bench_batch_speed.txt). A change for the better is found within
@@ -32,7 +34,7 @@ class Prober:
     def __init__(self, interval: int = 2, k: int = 2, budget: float = 0.02):
         self.interval, self.k, self.budget = interval, k, budget
         self.zero_rounds = 0  # rounds at K* = 0 since the last probe or drafting round
-        self.probed = False  # the last decision was a probe
+        self.probed: int | None = None  # the size class of the last decision, were it a probe
         self.fails: dict[int, int] = {}  # batch size class -> probes in a row that found nothing
 
     def backoff(self, batch: int) -> int:
@@ -46,16 +48,14 @@ class Prober:
         where it is 0 and a probe is due; ``extra``: a probe round's predicted cost over a
         plain one's, as a fraction of it."""
         size = batch.bit_length()
-        if self.probed:  # the first decision on what the probe observed
-            self.probed = False
-            self.fails[size] = self.fails.get(size, 0) + 1 if not best else 0
-        elif best > 0:
-            self.fails[size] = 0
+        if self.probed is not None:  # the first decision on what the probe observed
+            probed, self.probed = self.probed, None
+            self.fails[probed] = 0 if best else self.fails.get(probed, 0) + 1
         if best > 0:
-            self.zero_rounds = 0
+            self.fails[size], self.zero_rounds = 0, 0
             return best
         self.zero_rounds += 1
         if self.zero_rounds < max(self.interval, extra / self.budget) * self.backoff(batch):
             return 0
-        self.zero_rounds, self.probed = 0, True
+        self.zero_rounds, self.probed = 0, size
         return self.k

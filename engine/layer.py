@@ -136,7 +136,8 @@ def groups_queries(shape: LayerShape, x: torch.Tensor) -> bool:
     activations like ``x``: on CPU below float32, and on CUDA inside
     :func:`varying_shape_attention`. torch's CPU SDPA with ``enable_gqa`` took up to 6x longer
     for 1-token queries in bf16 (8 rows x 300 keys); in float32 its 1-token path is the faster
-    one (loadtest/results/bench_attention.txt). The captured CUDA graphs keep SDPA's own GQA: on
+    one (loadtest/results/bench_attention.txt). The runners' captured CUDA graphs keep SDPA's own
+    GQA (the EAGLE-3 head's captured steps do not: see :func:`varying_shape_attention`): on
     an H200 (torch 2.11, 8B shapes, one query) it ran cuDNN's kernel in 12.5 us over 256 keys
     and 16.3 over 4,096, where the grouped form took 10.6 and 84.6 (scripts/gpu_probe.py)."""
     if shape.kv_heads == shape.num_heads:
@@ -164,14 +165,17 @@ class _VaryingShapes:
 
 def varying_shape_attention(device: torch.device) -> contextlib.AbstractContextManager:
     """Attention for forwards whose shapes vary from call to call (prefill chunks, draft
-    catch-ups, the EAGLE-3 head eager on CUDA; not the captured graphs' fixed buckets). On CUDA:
+    catch-ups, the EAGLE-3 head on CUDA; not the runners' captured buckets). On CUDA:
     SDPA without cuDNN, and the query heads grouped by KV head (:func:`grouped_sdpa`: equal head
     counts, which the memory-efficient kernel takes with a mask; with unequal ones only the
     math kernel would be left). torch 2.11 tries cuDNN first for a masked SDPA on Hopper, and
     cuDNN builds an execution plan for each new shape, reported at ~0.4 s each (sglang #4650,
     FunASR #3704): at batch 32 on an H200 the adaptive controller's rare probe rounds, whose
     draft catch-ups come in new shapes, cost 0.69x of plain decoding's throughput with K ~ 0.
-    The captured graphs keep cuDNN: their plans are built once, before capture. Elsewhere, and
+    The runners' captured graphs keep cuDNN: their plans are built once, before capture. The
+    EAGLE-3 head's captured steps (drafters/eagle_graphs.py) keep this form: ~300 buckets would
+    each build a plan at warm-up, and over a few hundred keys the grouped form was the faster
+    (10.6 against 12.5 us at 256 keys; 84.6 against 16.3 at 4,096). Elsewhere, and
     inside a compiled function (Dynamo cannot trace the kernel choice's context), a no-op."""
     if device.type == "cuda" and not torch.compiler.is_compiling():
         return _VaryingShapes()

@@ -23,6 +23,8 @@ Invariants:
 - The graphs of one (rows, q, ingest) shape share their static inputs, whatever their key length.
 - The head's graphs share a memory pool of their own, so a replay may overwrite any of the head's
   graphs' outputs, never the target's or the draft model's: a call returns copies.
+- Attention as in the eager head on CUDA: SDPA without cuDNN, query heads grouped by KV head
+  (engine/layer.varying_shape_attention), so no bucket builds a cuDNN plan at warm-up.
 - The same function as the eager path (drafts are proposals: the verify keeps output exact
   whatever rounding a bucket's shapes give). Without CUDA, a replay re-runs the function on the
   static buffers, which tests the padding.
@@ -74,6 +76,7 @@ class HeadCapture:
         self.inputs: dict[tuple[int, int, bool], tuple[torch.Tensor, ...]] = {}  # (nb, qb, ingest)
         self.pool: Any = None  # the head's own memory pool, made at the first capture on CUDA
         self.captures = self.calls = self.eager_calls = 0
+        self.eager = False  # a capture at warm-up failed: every call runs the eager function
 
     def key(self, rows: int, q: int, kv_len: int, ingest: bool):
         """(rows bucket, q bucket, key-length bucket, ingest), or None: the call runs eagerly."""
@@ -86,7 +89,7 @@ class HeadCapture:
         ``[rows, draft_vocab]``."""
         ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest = args
         rows, q = ids.shape
-        key = self.key(rows, q, kv_idx.shape[0], ingest)
+        key = None if self.eager else self.key(rows, q, kv_idx.shape[0], ingest)
         if key is None:
             self.eager_calls += 1
             return head_forward(*args)
@@ -110,17 +113,24 @@ class HeadCapture:
     def capture_all(self, w: HeadWeights, kc, vc, shape: LayerShape, widths: tuple[int, int]):
         """Record every key (``widths``: the features' width for an ingest, the head's hidden
         size for a chained step). Nothing committed is written: every write goes to the
-        scratch column."""
+        scratch column. Where a capture fails, the head runs eagerly from then on (no capture
+        is attempted while serving)."""
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            for nb in self.row_buckets:
-                for kv in self.kv_buckets:
-                    for qb, ingest in [(q, True) for q in self.q_buckets] + [(1, False)]:
-                        key = (nb, qb, kv, ingest)
-                        if key not in self.graphs:
-                            width = widths[0] if ingest else widths[1]
-                            self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
-        log.warning("captured the EAGLE-3 head: %d CUDA graphs in %.1f s", len(self.graphs),
+        try:
+            with torch.inference_mode():
+                for nb in self.row_buckets:
+                    for kv in self.kv_buckets:
+                        for qb, ingest in [(q, True) for q in self.q_buckets] + [(1, False)]:
+                            key = (nb, qb, kv, ingest)
+                            if key not in self.graphs:
+                                width = widths[0] if ingest else widths[1]
+                                self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
+        except Exception as e:  # noqa: BLE001 -- drafting goes on, eagerly
+            self.eager, self.graphs, self.inputs = True, {}, {}
+            log.warning("capturing the EAGLE-3 head failed (%s: %s); it runs eagerly",
+                        type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            return
+        log.warning("captured the EAGLE-3 head: %d graphs in %.1f s", len(self.graphs),
                     time.perf_counter() - t0)  # fmt: skip
 
     def _capture(self, key, width: int, w: HeadWeights, kc, vc, shape: LayerShape) -> _Graph:
@@ -129,7 +139,7 @@ class HeadCapture:
         ins = self.inputs.get((nb, qb, ingest))
         if ins is None:  # one set of static inputs serves every key-length bucket of a shape
             longs = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
-            x = torch.zeros(nb, qb, width, dtype=w.embed.dtype, device=dev)
+            x = torch.zeros(nb, qb, width, dtype=kc.dtype, device=dev)  # the head's dtype
             ins = self.inputs[(nb, qb, ingest)] = (longs(nb, qb), x, longs(nb), longs(nb, qb),
                                                    longs(nb, qb), longs(nb))  # fmt: skip
         ids, x, last, pos, write_pos, slot_t = ins

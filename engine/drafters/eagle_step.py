@@ -77,7 +77,7 @@ def head_forward(
     # a: the attention's input [rows, q, 2 hidden]
     cos, sin = w.cos[pos].unsqueeze(1), w.sin[pos].unsqueeze(1)  # [rows, 1, q, head_dim]
     mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, q, kv_len]
-    with varying_shape_attention(g.device):  # shapes vary (on CUDA, where the head is eager)
+    with varying_shape_attention(g.device):  # on CUDA, eager or captured (layer.py)
         out = decoder_layer(g, w.layer, cos, sin, mask, kc, vc, slot_t, write_pos, None, shape, a)
     o = out[torch.arange(out.shape[0], device=out.device), last]  # [rows, hidden]
     logits = linear(rms_norm(o, w.norm, eps), w.lm_head).float()  # [rows, draft_vocab]

@@ -13,14 +13,15 @@ import torch
 from engine.drafters.eagle import EagleDrafter
 from engine.drafters.eagle_graphs import HeadCapture
 from engine.drafters.eagle_step import head_forward
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
 from tests import helpers
 from tests.engine.test_eagle import (
     HIDDEN,
     LAYERS,
     VOCAB,
-    assert_greedy_ragged_equals_plain,
     eagle_engine,
-    echo_head,
+    prompts,
     random_head,
 )
 from tests.engine.test_eagle_step import call
@@ -127,20 +128,34 @@ def test_shapes_past_the_buckets_run_eagerly(target):
     assert cap.eager_calls == 1 and cap.captures == 0
 
 
-def test_greedy_with_the_captured_head_equals_plain(target):
+def test_greedy_with_the_captured_head_equals_plain_and_drafts_as_the_eager_head(target):
     """Every bucket captured at warm-up; ragged batches (rows joining and leaving) drafting
-    through the captured head emit exactly the target's greedy output, drafts are accepted,
-    the head never fell back to eager and nothing is recorded after warm-up."""
-    engine = eagle_engine(target, echo_head(target), slots=4, k=3)
+    through the captured head emit exactly the target's greedy output and accept what the eager
+    head's drafts accept (on CPU the same per request; a replay on CUDA may round otherwise:
+    within 10% in all), the head never fell back to eager and nothing is recorded after warm-up.
+    (Output is exact whatever the head drafts: the acceptance is what shows a wrong head.)"""
+    engine = eagle_engine(target, random_head(11), slots=4, k=3)  # its layer reads its cache
     d = engine.drafter
     assert isinstance(d, EagleDrafter)
     d.compile(capture_kv_align=KV_ALIGN)
     d.warm_up()
     cap = d.forward
-    assert isinstance(cap, HeadCapture)
+    assert isinstance(cap, HeadCapture) and not cap.eager
     graphs = len(cap.graphs)
     rows, kv, q = len(cap.row_buckets), len(cap.kv_buckets), len(cap.q_buckets)
     assert graphs == cap.captures == rows * kv * (q + 1)  # ingest q buckets and the chain step
-    assert_greedy_ragged_equals_plain(engine, target, seed=5)
+    g = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(6, seed=5)
+    plain = helpers.engine_for(target, None, slots=4)
+    refs = [plain.generate([p], g)[0].output_ids for p in ps]
+    eager = eagle_engine(target, random_head(11), slots=4, k=3).generate(ps, g, SpecParams(k=3))
+    outs = engine.generate(ps, g, SpecParams(k=3))
+    assert [s.output_ids for s in outs] == refs
+    got, ref = [s.accepted for s in outs], [s.accepted for s in eager]
+    if d.device.type == "cpu":
+        assert got == ref
+    else:
+        assert abs(sum(got) - sum(ref)) <= 0.1 * sum(ref)
+    assert sum(ref) > 0 and sum(ref) < sum(s.drafted for s in eager)  # some right, some wrong
     assert d.forward is cap and cap.calls > 0 and cap.captures == graphs
-    assert engine.drafter.cache.used_tokens() == 0
+    assert engine.drafter_failures == 0 and d.cache.used_tokens() == 0

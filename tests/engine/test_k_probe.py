@@ -43,6 +43,18 @@ def test_a_probe_that_found_drafting_worth_it_resets_the_count():
     assert p.backoff(8) == 1
 
 
+def test_a_probe_is_charged_to_the_size_class_of_the_batch_that_made_it():
+    p = Prober(interval=2, k=2, budget=0.02)
+    while not p.decide(0, 8, 0.2):  # a probe at batch 8 ...
+        pass
+    p.decide(0, 16, 0.2)  # ... judged when the batch has grown to 16
+    assert p.fails == {(8).bit_length(): 1}
+    while not p.decide(0, 16, 0.2):
+        pass
+    p.decide(1, 1, 0.2)  # judged at batch 1, where the rule drafts: both classes reset
+    assert p.fails == {(16).bit_length(): 0, (8).bit_length(): 1, 1: 0}
+
+
 BATCH8 = linear_cost(0.050, 0.002, 0.004)  # batch 8: K = 1 costs 1.48x a plain round
 
 
