@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specd.cuda_graphs")
 T = TypeVar("T")
+Outs = TypeVar("Outs", bound=tuple)  # a forward's outputs: tensors, or None where it has none
 
 
 @dataclass
@@ -148,17 +149,7 @@ class GraphForward(FastForward):
             h = runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, groups, size)
             return h, runner.tapped
 
-        if dev.type == "cuda":
-            (out, tapped), replay = record(forward, self.pool)
-        else:  # no CUDA: replay re-runs the forward into the same outputs (tests the plumbing)
-            out, tapped = forward()
-
-            def replay() -> None:
-                h, t = forward()
-                out.copy_(h)
-                if tapped is not None and t is not None:
-                    tapped.copy_(t)
-
+        (out, tapped), replay = record_on(dev, forward, self.pool)
         self.captures += 1
         log.info("captured %s forward batch=%d q=%d keys=%d", runner.name, nb, qb, kv_len)
         return Captured(ids, pos, write_pos, rows, kv_idx, out, tapped, replay)
@@ -180,6 +171,23 @@ def record(fn: Callable[[], T], pool=None) -> tuple[T, Callable[[], None]]:
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return out, graph.replay
+
+
+def record_on(
+    device: torch.device, fn: Callable[[], Outs], pool=None
+) -> tuple[Outs, Callable[[], None]]:
+    """:func:`record` on CUDA; elsewhere ``fn`` run once and a replay that runs it again into
+    the same outputs (None outputs skipped), which tests the static buffers' plumbing."""
+    if device.type == "cuda":
+        return record(fn, pool)
+    outs = fn()
+
+    def replay() -> None:
+        for out, new in zip(outs, fn()):
+            if out is not None and new is not None:
+                out.copy_(new)
+
+    return outs, replay
 
 
 def kv_buckets(align: int, whole: int) -> list[int]:

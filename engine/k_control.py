@@ -190,7 +190,7 @@ class AdaptiveK(KController):
         self.always_drafts = always_drafts  # m = 1: the drafter proposes whenever asked
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
         self.price_catch_up = price_catch_up  # False: fitted, not priced (a benchmark's mode)
-        self.prober = Prober(probe_interval, probe_k, probe_budget)
+        self.prober = Prober(probe_interval, min(probe_k, k_max), probe_budget)
         self.cost: CostModel = cost or RoundCost()
         self.widths = np.arange(k_max + 1)  # [K_max + 1] candidate widths w
         self.calibrated = cost is not None  # an injected cost model needs no calibration
@@ -283,5 +283,4 @@ class AdaptiveK(KController):
         best = int(np.argmax(goodput))
         if goodput[best] < goodput[0] * (1.0 + self.min_gain):
             best = 0
-        probe = min(self.prober.k, self.k_max)
-        return min(self.prober.decide(best, batch, seconds[probe] / seconds[0] - 1.0), self.k_max)
+        return self.prober.decide(best, batch, seconds[self.prober.k] / seconds[0] - 1.0)

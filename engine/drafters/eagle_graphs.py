@@ -10,14 +10,13 @@ prompt's take-in at admission, longer than the largest q bucket) runs the eager 
 
 Invariants:
 
-- A call's rows are rows ``[0, rows)`` of its bucket. Padding rows read slot 0 at position 0 and
-  write only the scratch column; past a row's own q, the caller's ``write_pos`` already names
-  the scratch column, and the q padding up to the bucket writes there too. Keys past a row's
-  position are masked, so a longer key bucket reads more keys but attends to the same ones.
-- Every static index input (positions, write positions, slots, ``last``) is rewritten whole on
-  every call, padding included: a buffer never keeps a previous call's slots and positions,
-  which would write into another row's cache. Token ids and features past the real ones may be
-  stale: padding outputs are dropped.
+- A call's rows are rows ``[0, rows)`` of its bucket. Padding writes only the scratch column:
+  past a row's own q the caller's ``write_pos`` already names it, and the write positions are
+  rewritten whole on every call, padding included, so a stale row of an earlier, larger call
+  never writes into another row's cache. The padding's other inputs (ids, features, positions,
+  slots, ``last``) may hold an earlier call's values, all valid indices: they feed only
+  outputs that are dropped. Keys past a row's position are masked, so a longer key bucket reads
+  more keys but attends to the same ones.
 - Weights, caches, the layer shape and the dtype are those of the first call, fixed for the
   drafter's life (a graph reads memory by address).
 - The graphs of one (rows, q, ingest) shape share their static inputs, whatever their key length.
@@ -39,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..cuda_graphs import kv_buckets, record
+from ..cuda_graphs import kv_buckets, record_on
 from ..fast_forward import _bucket, default_buckets
 from ..layer import LayerShape
 from .eagle_step import HeadWeights, head_forward
@@ -96,10 +95,7 @@ class HeadCapture:
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(key, x.shape[-1], w, kc, vc, shape)
-        g.pos.zero_()  # padding: slot 0, position 0, written to the scratch column
-        g.write_pos.fill_(self.scratch_pos)
-        g.slot_t.zero_()
-        g.last.zero_()
+        g.write_pos.fill_(self.scratch_pos)  # padding writes the scratch column, whatever it held
         g.ids[:rows, :q].copy_(ids)
         g.x[:rows, :q].copy_(x)
         g.last[:rows].copy_(last)
@@ -151,17 +147,8 @@ class HeadCapture:
                 ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest
             )
 
-        if dev.type == "cuda":
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            (out, logits), replay = record(forward, self.pool)
-        else:  # no CUDA: a replay re-runs the function into the same outputs (tests the plumbing)
-            out, logits = forward()
-
-            def replay() -> None:
-                o, lg = forward()
-                out.copy_(o)
-                logits.copy_(lg)
-
+        if dev.type == "cuda" and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        (out, logits), replay = record_on(dev, forward, self.pool)
         self.captures += 1
         return _Graph(ids, x, last, pos, write_pos, slot_t, kv_idx, out, logits, replay)
