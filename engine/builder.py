@@ -100,11 +100,16 @@ def head_folder(source: str) -> Path:
     )
 
 
-def eagle_drafter(source: str | None, model, runner: ModelRunner) -> EagleDrafter:
-    """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype)."""
-    if not source:
+def eagle_drafter(source: str | None, model, runner: ModelRunner, head=None) -> EagleDrafter:
+    """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype), or
+    of ``head``, an already loaded one (tests build theirs in memory; moved to the device)."""
+    if head is not None:
+        head = head.to(runner.device)
+        source = source or "(in memory)"
+    elif not source:
         raise ValueError("drafter.method 'eagle3' needs drafter.source (an EAGLE-3 head folder)")
-    head = load_head(head_folder(source), len(runner.weights), runner.dtype, runner.device)
+    else:
+        head = load_head(head_folder(source), len(runner.weights), runner.dtype, runner.device)
     c, hidden = head.config, model.config.hidden_size
     if c.vocab_size != runner.vocab_size or c.target_hidden_size != hidden:
         raise ValueError(
@@ -129,44 +134,45 @@ def use_inductor_cache(folder: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
-def build_engine(cfg: EngineConfig, target=None) -> Built:
-    """``target`` may pass an already loaded (model, tokenizer) pair (tests share one)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    m = cfg.model
+def make_drafter(
+    cfg: EngineConfig, model, tok, runner: ModelRunner, draft=None, head=None
+) -> Drafter | None:
+    """``cfg.drafter``'s drafter for the target ``model`` (tokenizer ``tok``) in ``runner``.
+    A model it names (``source``, or ``dtype`` for the target's copy) is loaded, unless given in
+    memory: ``draft`` (the draft model of method ``model``, or the target's copy of ``self`` /
+    ``layers``) and ``head`` (the EAGLE-3 head; tests build theirs)."""
+    m, d = cfg.model, cfg.drafter
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
-    model, tok = target or load_model(m.source, m.dtype, m.device, cache_dir, m.trust_remote_code)
-    runner = ModelRunner(model, cfg.max_running, cfg.max_model_len)
-    d = cfg.drafter
     vocab = runner.vocab_size
-    drafter: Drafter | None
+    drafter: Drafter
     if d.method == "none":
-        drafter = None
-    elif d.method == "ngram":
-        drafter = NgramDrafter(runner.device, d.ngram_min, d.ngram_max)
-    elif d.method in ("self", "layers"):
+        return None
+    if d.method == "ngram":
+        return NgramDrafter(runner.device, d.ngram_min, d.ngram_max)
+    if d.method in ("self", "layers"):
         layers = d.num_layers if d.method == "layers" else None
         if d.method == "layers" and not layers:
             raise ValueError("drafter.method 'layers' needs drafter.num_layers")
-        draft_model = model
-        if d.dtype and d.dtype != m.dtype:
+        draft_model = model if draft is None else draft
+        if draft is None and d.dtype and d.dtype != m.dtype:
             draft_model, _ = load_model(m.source, d.dtype, m.device, cache_dir, m.trust_remote_code)
-        drafter = ModelDrafter(
+        return ModelDrafter(
             ModelRunner(draft_model, cfg.max_running, runner.max_len, layers, name="draft"),
             vocab,
             name=f"{d.method}{layers or ''}",
         )
-    elif d.method == "model":
-        if not d.source:
-            raise ValueError("drafter.method 'model' needs drafter.source")
-        dm, dtok = load_model(
-            d.source, d.dtype or m.dtype, m.device, cache_dir, m.trust_remote_code
-        )
-        check_same_vocab(tok, dtok)
-        drunner = ModelRunner(dm, cfg.max_running, runner.max_len, name="draft")
-        drafter = ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
-    elif d.method == "eagle3":
-        drafter = eagle = eagle_drafter(d.source, model, runner)
+    if d.method == "model":
+        if draft is None:
+            if not d.source:
+                raise ValueError("drafter.method 'model' needs drafter.source")
+            draft, dtok = load_model(
+                d.source, d.dtype or m.dtype, m.device, cache_dir, m.trust_remote_code
+            )
+            check_same_vocab(tok, dtok)
+        drunner = ModelRunner(draft, cfg.max_running, runner.max_len, name="draft")
+        return ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
+    if d.method == "eagle3":
+        drafter = eagle = eagle_drafter(d.source, model, runner, head)
         if d.head_q4:
             eagle.use_q4()
         # the head's step compiled too: on CPU inductor's guardless graphs (eagle_step.py),
@@ -177,22 +183,49 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
             eagle.compile(capture_kv_align=cfg.compile.kv_align)
         if d.ngram_fallback:
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
-    else:
-        raise ValueError(
-            f"unknown drafter method {d.method!r} (eagle3, ngram, model, self, layers, none)"
-        )
-    engine = SpecEngine(
+        return drafter
+    raise ValueError(
+        f"unknown drafter method {d.method!r} (eagle3, ngram, model, self, layers, none)"
+    )
+
+
+def make_engine(
+    cfg: EngineConfig,
+    runner: ModelRunner,
+    drafter: Drafter | None,
+    eos: list[int],
+    grammars: GrammarCompiler | None = None,
+    controller: KController | None = None,
+) -> SpecEngine:
+    """The engine ``cfg`` describes over ``runner`` and ``drafter`` (``controller``: default
+    ``cfg.drafter``'s, :func:`make_controller`). No compile, 4-bit or invariance set-up: that
+    is :func:`build_engine`'s."""
+    d = cfg.drafter
+    return SpecEngine(
         runner,
         drafter,
-        eos_ids(model, tok),
+        eos,
         cfg.max_prefill_per_step,
         cfg.prefill_chunk_tokens,
-        make_controller(d, drafter),
+        controller if controller is not None else make_controller(d, drafter),
         d.k_max,
         cfg.max_slots_per_request,
-        GrammarCompiler(tok, runner.vocab_size),
+        grammars,
         cfg.deterministic,
     )
+
+
+def build_engine(cfg: EngineConfig, target=None) -> Built:
+    """``target`` may pass an already loaded (model, tokenizer) pair (tests share one)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    m = cfg.model
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+    model, tok = target or load_model(m.source, m.dtype, m.device, cache_dir, m.trust_remote_code)
+    runner = ModelRunner(model, cfg.max_running, cfg.max_model_len)
+    drafter = make_drafter(cfg, model, tok, runner)
+    grammars = GrammarCompiler(tok, runner.vocab_size)
+    engine = make_engine(cfg, runner, drafter, eos_ids(model, tok), grammars)
     if m.native_q4 and runner.dtype == torch.float32 and runner.device.type == "cpu":
         # torch's CPU int4 matmul with float32 activations ran 20-60x slower than with bf16 and
         # than a dense float32 matmul: the GGUF's dequantized weights run dense instead
@@ -204,7 +237,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
         use_inductor_cache((cache_dir or default_cache_dir()) / "inductor")
     for r in engine.runners():
         if cfg.deterministic != "always" or r is not runner:  # its forwards are all invariant
-            attach(r, cfg.compile, d.k_max)
+            attach(r, cfg.compile, cfg.drafter.k_max)
     if cfg.deterministic != "off":
         invariant.check(runner)  # RuntimeError where this machine's kernels are not invariant
     return Built(engine, tok, cfg)

@@ -84,7 +84,10 @@ def apply_grammar(
             llt.fill_next_token_bitmask(m, bits, r * t + i)
             if i == t - 1 or i >= len(drafts[b]) or not _allows(bits[r * t + i], drafts[b][i]):
                 break  # positions past here are never used: they keep this mask
-            m.consume_tokens([drafts[b][i]])
+            # a finished grammar takes nothing more, not even the EOS its mask allows (feeding
+            # it one errs the matcher for good): the positions after keep the EOS-only mask
+            if m.is_stopped() or not m.consume_tokens([drafts[b][i]]):
+                break
             consumed += 1
         for j in range(i + 1, t):
             bits[r * t + j] = bits[r * t + i]
@@ -138,8 +141,10 @@ class DraftGrammar:
         """The step drafted ``tokens`` (host ints) for ``rows``: masked rows' matchers take
         them (always allowed: they were drawn from the masked q)."""
         for tok, b in zip(tokens, rows):
-            if b in self.masks and _allows(self.masks[b], tok):
-                self.seqs[b].matcher.consume_tokens([tok])
+            m = self.seqs[b].matcher
+            # a finished grammar takes nothing more (the EOS after it would err the matcher)
+            ok = b in self.masks and _allows(self.masks[b], tok) and not m.is_stopped()
+            if ok and m.consume_tokens([tok]):
                 self.consumed[b] += 1
 
     def close(self) -> None:

@@ -109,6 +109,11 @@ class KController:
     def observe(self, seq: Sequence, k: int, stats: RoundStats, next_cap: int | None) -> None:
         """``next_cap``: the row's cap for the next round, None when it just finished."""
 
+    def reset(self) -> None:
+        """Forget what earlier rounds taught the policy (only between rounds, with no request
+        held: a row's own record lives on its Sequence). A long-lived engine's tests call it so
+        that whether a request drafts does not depend on what ran before it."""
+
     def end_round(
         self, batch: int, width: int, steps: int, rest_s: float, draft_s: float, catch_up: int = 0
     ) -> None:
@@ -239,6 +244,15 @@ class AdaptiveK(KController):
         else:
             self._pinned_tokens += float(expected_tokens(st.alpha, match, np.array(pinned)))
             self._pinned_width = max(self._pinned_width, pinned)
+
+    def reset(self):
+        """The next round decides as the first one did (from the row alone), and probing starts
+        over (no backoff). The cost model is kept: its calibration and the rounds it fitted are
+        this machine's measured speed, not requests' history."""
+        self._k_next = None
+        self._reset_sums()
+        p = self.prober
+        self.prober = Prober(p.interval, p.k, p.budget)
 
     def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0):
         self.cost.observe(batch, width, steps, rest_s, draft_s, catch_up)

@@ -122,3 +122,53 @@ def target_greedy(real_fp32):
 
     model, tok = real_fp32
     return lambda ids, max_tokens: greedy_reference(model, tok, ids, max_tokens)
+
+
+class DrafterFault(AssertionError):
+    """A drafter failed in a test that did not ask for faults (``@pytest.mark.drafter_faults``)."""
+
+
+@pytest.fixture(autouse=True)
+def drafter_faults_fail(request, monkeypatch):
+    """A drafter fault fails the test. ``GuardedDrafter`` turns every drafter exception into a
+    plain round -- the right product behaviour, and the reason an output-comparing test passes
+    with a drafter that raises on every call. Here the fault path re-raises (the test's traceback
+    names the drafter's error) and the fault is recorded, so that one swallowed on another thread
+    (the engine loop of a live server fails the step, then keeps serving) still fails the test
+    at teardown. Fault-injection tests opt out with ``@pytest.mark.drafter_faults``."""
+    if request.node.get_closest_marker("drafter_faults") is not None:
+        yield
+        return
+    from engine.drafters.guard import GuardedDrafter
+
+    seen: list[str] = []
+    real = GuardedDrafter.fault
+
+    def fail(self, where, rows, err):
+        real(self, where, rows, err)
+        seen.append(f"{self.inner.name} {where}: {type(err).__name__}: {err}")
+        raise DrafterFault(seen[-1]) from err
+
+    monkeypatch.setattr(GuardedDrafter, "fault", fail)
+    yield
+    assert not seen, f"drafter faults during the test: {seen}"
+
+
+def fresh(server) -> None:
+    """Before a test on a session-scoped live server (``live``, ``live_default``): it holds
+    nothing, and its K controller starts over (``KController.reset``: what earlier tests taught
+    it about the next round's K and probing is forgotten), so that whether a test's requests
+    speculate does not depend on which tests ran before it."""
+    wait_until(
+        lambda: idle(server.engine) and server.worker.in_flight == 0,
+        timeout=300,
+        what="an idle server before the test",
+    )
+    server.engine.controller.reset()
+
+
+@pytest.fixture(autouse=True)
+def fresh_live(request):
+    """Every test that uses ``live`` starts on it idle, with a fresh K controller (``fresh``)."""
+    if "live" in request.fixturenames:
+        fresh(request.getfixturevalue("live"))

@@ -1,22 +1,20 @@
-"""Shared test builders: one tiny random Llama, one engine over in-memory models, and the exact
-statistics the distribution tests use (target distributions by enumeration, a chi-square
-goodness-of-fit p-value)."""
+"""Shared test builders: one tiny random Llama, one engine over in-memory models, the check that
+speculation ran, and the device-sync recorder (the distribution test: tests/distribution.py)."""
 
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
-from engine.drafters import ModelDrafter, NgramDrafter
-from engine.drafters.eagle import EagleDrafter
-from engine.drafters.hybrid import HybridDrafter
+from engine.builder import make_drafter, make_engine
+from engine.config import EngineConfig
 from engine.engine import SpecEngine
 from engine.model_runner import ModelRunner
-from engine.sampling import logits_to_probs
 
 # the device the tiny models are built on (``SPECD_TEST_DEVICE=cuda pytest ...`` runs the engine
 # tests that take a device on a GPU; the default, CPU, is what CI runs)
@@ -73,57 +71,69 @@ def engine_for(
     draft_dtype: torch.dtype | None = None,
     head=None,
 ) -> SpecEngine:
-    """A :class:`SpecEngine` over in-memory models, built as engine/builder.py builds one.
+    """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
+    (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
+    builder makes from a config), from configs/default.yaml's drafter settings (n-gram sizes,
+    the hybrid's ``ngram_fallback``, the adaptive controller's) with the method, ``k_max`` and
+    the sizes given here; eager (no compile), no 4-bit head, no grammar compiler.
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
     e.g. a bf16 draft of an fp32 target), ``"layers"`` (the target's first ``num_layers``
     layers), ``"eagle3"`` (the EAGLE-3 ``head`` over the target's features; ``"eagle3+ngram"``:
-    with the n-gram fallback of drafters/hybrid.py), ``"ngram"``, or
-    None / ``"none"`` (plain decoding)."""
+    with the n-gram fallback of drafters/hybrid.py, as configs/default.yaml ships it),
+    ``"ngram"``, or None / ``"none"`` (plain decoding). ``controller``: default the one the
+    builder makes for the drafter (adaptive K)."""
     target, draft = models if isinstance(models, tuple | list) else (models, None)
-    runner = ModelRunner(target, num_slots=slots, max_len=max_len)
-    vocab = runner.vocab_size
-    if drafter in (None, "none"):
-        d = None
-    elif drafter == "ngram":
-        d = NgramDrafter(runner.device)
-    elif drafter in ("eagle3", "eagle3+ngram"):
-        if head is None:
-            raise ValueError(f"drafter {drafter!r} needs a head")
-        head = head.to(runner.device)
-        d = EagleDrafter(head, target.model.embed_tokens, slots, runner.max_len, vocab)
-        if drafter == "eagle3+ngram":  # copies where the last 2+ tokens occurred before
-            d = HybridDrafter(d, min_match=2, max_n=4)
-    elif drafter in ("model", "self", "layers"):
-        if drafter == "model":
-            if draft is None:
-                raise ValueError("drafter 'model' needs a (target, draft) pair")
-            dm, layers, name = draft, None, "draft_model"
-        else:
-            dm = target
-            if draft_dtype is not None:
-                dm = copy.deepcopy(target).to(draft_dtype)
-            layers = num_layers if drafter == "layers" else None
-            if drafter == "layers" and not layers:
-                raise ValueError("drafter 'layers' needs num_layers")
-            name = f"{drafter}{layers or ''}"
-        d = ModelDrafter(
-            ModelRunner(dm, num_slots=slots, max_len=max_len, num_layers=layers, name="draft"),
-            vocab,
-            name=name,
-        )
-    else:
+    method = "none" if drafter is None else drafter
+    if method == "eagle3+ngram":
+        method = "eagle3"
+    if method not in ("none", "ngram", "model", "self", "layers", "eagle3"):
         raise ValueError(f"unknown drafter {drafter!r}")
-    return SpecEngine(
-        runner,
-        d,
-        eos_token_ids=list(eos),
+    if method == "model" and draft is None:
+        raise ValueError("drafter 'model' needs a (target, draft) pair")
+    if method == "eagle3" and head is None:
+        raise ValueError(f"drafter {drafter!r} needs a head")
+    if method in ("self", "layers"):  # the target's copy in another dtype, else the target
+        draft = copy.deepcopy(target).to(draft_dtype) if draft_dtype is not None else target
+    shipped = EngineConfig.from_yaml(Path(__file__).parents[1] / "configs" / "default.yaml").drafter
+    cfg = EngineConfig(
+        drafter=dataclasses.replace(
+            shipped,
+            method=method,
+            source=None,
+            dtype=None,
+            num_layers=num_layers,
+            head_q4=False,  # the head given is the one tested (test_eagle_q4.py: 4-bit heads)
+            ngram_fallback=shipped.ngram_fallback if drafter == "eagle3+ngram" else 0,
+            k_max=k_max,
+        ),
+        max_running=slots,
+        max_model_len=max_len,
         max_prefill_per_step=max_prefill,
         prefill_chunk_tokens=chunk,
-        controller=controller,
-        k_max=k_max,
     )
+    runner = ModelRunner(target, num_slots=slots, max_len=max_len)
+    d = make_drafter(cfg, target, None, runner, draft=draft, head=head)
+    return make_engine(cfg, runner, d, list(eos), controller=controller)
+
+
+def assert_speculated(runs, can_reject: bool = True, min_drafted: int = 1) -> tuple[int, int]:
+    """Speculation really ran: ``runs`` (sequences, or ``(drafted, accepted)`` pairs, e.g. from
+    an HTTP response's ``usage.speculation``) drafted at least ``min_drafted`` tokens in all, and
+    for a drafter that can be wrong (``can_reject``), accepted some and rejected some
+    (0 < accepted < drafted): a comparison with plain decoding then proves something of both
+    paths. Returns (drafted, accepted). Every speculation-vs-plain test calls it."""
+    pairs = [r if isinstance(r, tuple) else (r.drafted, r.accepted) for r in runs]
+    drafted, accepted = sum(d for d, _ in pairs), sum(a for _, a in pairs)
+    assert drafted >= max(1, min_drafted), f"speculation never ran: drafted = {drafted}"
+    assert 0 <= accepted <= drafted, (drafted, accepted)
+    if can_reject:
+        assert 0 < accepted < drafted, (
+            f"a drafter that can be wrong should accept some and reject some: "
+            f"{accepted} of {drafted} accepted"
+        )
+    return drafted, accepted
 
 
 def greedy_reference(model, tok, ids: list[int], max_tokens: int) -> list[int]:
@@ -138,92 +148,6 @@ def greedy_reference(model, tok, ids: list[int], max_tokens: int) -> list[int]:
             pad_token_id=tok.eos_token_id,
         )
     return out[0, len(ids) :].tolist()
-
-
-# -- exact target distributions ------------------------------------------------------------------
-def target_probs(model, ids: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
-    """The target's processed next-token distribution after ``ids`` (transformers' own forward,
-    then temperature / top-k / top-p as engine/sampling.py applies them): [vocab] float64."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids], device=model.device)).logits[:, -1:].float().cpu()
-    probs = logits_to_probs(
-        logits,
-        torch.tensor([temperature or 1.0]),
-        torch.tensor([top_k]),
-        torch.tensor([top_p]),
-    )
-    return probs[0, 0].double()
-
-
-def exact_joint(
-    model,
-    prompt: list[int],
-    n_tokens: int,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    stop: Iterable[int] = (),
-) -> dict[tuple[int, ...], float]:
-    """P(output | prompt) of every possible output of at most ``n_tokens`` tokens, by walking the
-    tree of prefixes; an output ends early at a ``stop`` token (included)."""
-    stop = set(stop)
-    joint: dict[tuple[int, ...], float] = {}
-
-    def walk(prefix: list[int], pr: float) -> None:
-        if len(prefix) == n_tokens or (prefix and prefix[-1] in stop):
-            joint[tuple(prefix)] = joint.get(tuple(prefix), 0.0) + pr
-            return
-        for t, pt in enumerate(target_probs(model, prompt + prefix, temperature, top_k, top_p)):
-            if pt > 0:
-                walk(prefix + [t], pr * float(pt))
-
-    walk([], 1.0)
-    return joint
-
-
-# -- goodness of fit -----------------------------------------------------------------------------
-def chi2_sf(stat: float, df: int) -> float:
-    """P(X >= stat) for X ~ chi-square with ``df`` degrees of freedom."""
-    if df <= 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0).double(), torch.tensor(stat / 2.0)))
-
-
-def chi_square_gof(
-    counts: dict, probs: dict, min_expected: float = 5.0
-) -> tuple[float, float, int]:
-    """Pearson's chi-square test of observed ``counts`` against exact cell probabilities
-    ``probs`` (outcomes absent from ``probs`` have probability 0: any such count fails the test).
-    Cells expected to hold fewer than ``min_expected`` draws are pooled into one (and that pool,
-    if still under ``min_expected``, into the smallest kept cell), so the chi-square
-    approximation holds. Returns (statistic, p-value, degrees of freedom)."""
-    n = sum(counts.values())
-    if any(c and probs.get(o, 0.0) <= 0.0 for o, c in counts.items()):
-        return math.inf, 0.0, 0
-    cells = sorted(probs, key=lambda o: -probs[o])
-    kept = [o for o in cells if probs[o] * n >= min_expected]
-    rare = [o for o in cells if probs[o] * n < min_expected]
-    obs = [counts.get(o, 0) for o in kept]
-    exp = [probs[o] * n for o in kept]
-    if rare:
-        pool_obs, pool_exp = sum(counts.get(o, 0) for o in rare), sum(probs[o] * n for o in rare)
-        if pool_exp >= min_expected or not kept:
-            obs.append(pool_obs)
-            exp.append(pool_exp)
-        else:
-            obs[-1] += pool_obs
-            exp[-1] += pool_exp
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    return stat, chi2_sf(stat, df), df
-
-
-def histogram(outputs: Iterable, key: Callable = tuple) -> dict:
-    counts: dict = {}
-    for o in outputs:
-        k = key(o)
-        counts[k] = counts.get(k, 0) + 1
-    return counts
 
 
 # -- device syncs (CUDA) -------------------------------------------------------------------------

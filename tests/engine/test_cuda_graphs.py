@@ -4,7 +4,9 @@ eager engine, every bucket is captured once at warm-up and never again, and a ro
 
 On a machine without CUDA the recorder re-runs the forward on the graphs' static buffers: the
 equality tests then check the buffer plumbing. ``SPECD_TEST_DEVICE=cuda`` runs them with real
-graphs; the tests marked for CUDA run only there."""
+graphs; the tests marked for CUDA run only there. Replays are counted per generation, and the
+eager forwards beside them (test_fast_forward.py's ``Paths``): only prefills longer than the
+largest q bucket may run eagerly."""
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from engine.cuda_graphs import GraphForward, kv_buckets
 from engine.fast_forward import CompileConfig, attach, fast_mode
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from tests.helpers import TEST_DEVICE, cuda_syncs, engine_for
+from tests.engine.test_fast_forward import Paths, long_prompts
+from tests.helpers import TEST_DEVICE, assert_speculated, cuda_syncs, engine_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 on_cuda = pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="needs SPECD_TEST_DEVICE=cuda")
@@ -25,17 +28,18 @@ def prompts(n=5, seed=0):
 
 
 def graph_engine(models, drafter, mode="cuda-graphs", **cfg):
-    e = engine_for(models, drafter)
+    e = engine_for(models, drafter, num_layers=2)  # "layers": the target's first 2 layers
     for r in e.runners():
         attach(r, CompileConfig(enabled=True, mode=mode, **cfg), e.k_max)
     e.warm_up()
     return e
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", None])
+@pytest.mark.parametrize("drafter", ["layers", "ngram", None])
 def test_captured_engine_equals_eager_target_greedy(models, drafter):
     """Singles and a ragged batch of 5 (slots 0-4: the 8-row bucket, 3 padding rows), at K = 4
-    (q = 5, padded to the 9-token bucket) and plain; no capture after warm-up."""
+    (q = 5, padded to the 9-token bucket) and plain; no capture after warm-up; every decode,
+    verify and drafting step replayed a graph."""
     ps = prompts()
     ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
     e = graph_engine(models, drafter, batch_buckets=[1, 2, 4, 8], q_buckets=[1, 2, 9])
@@ -43,23 +47,42 @@ def test_captured_engine_equals_eager_target_greedy(models, drafter):
     assert all(isinstance(f, GraphForward) for f in fast)
     n = 4 * 3 * len(fast[0].kv_buckets)
     assert [f.captures for f in fast] == [n] * len(fast)  # every (batch, q, keys) bucket, once
+    paths = [Paths(r) for r in e.runners()]
     spec = SpecParams(k=4)
-    assert [e.generate([p], GREEDY, spec)[0].output_ids for p in ps[:2]] == ref[:2]
-    assert [s.output_ids for s in e.generate(ps, GREEDY, spec)] == ref
+    singles = [e.generate([p], GREEDY, spec)[0] for p in ps[:2]]
+    assert [s.output_ids for s in singles] == ref[:2]
+    seqs = e.generate(ps, GREEDY, spec)
+    assert [s.output_ids for s in seqs] == ref
     assert [f.captures for f in fast] == [n] * len(fast)  # steady state: replays only
-    assert fast[0].calls > 2 * 24 // 5
+    if drafter is None:
+        assert sum(s.drafted for s in singles + seqs) == 0
+    else:
+        assert_speculated(singles + seqs)
+    long = long_prompts(ps[:2] + ps, 9)
+    assert paths[0].fast > 0 and paths[0].eager == long
+    for draft in paths[1:]:
+        assert draft.fast > 0 and draft.eager <= long
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_captured_engine_equals_eager_when_sampling(models, drafter):
     """Seeded sampling through the graphs gives the eager engine's very tokens (the same
-    arithmetic, the same draws)."""
-    ps = prompts()
+    arithmetic, the same draws), drafts accepted and rejected, every verify and drafting step
+    replayed. (A greedy row on a repeating prompt rides along: the n-gram drafter's copies are
+    rarely accepted at T = 0.8 on this near-uniform target, and greedy there accepts most.)"""
+    ps = prompts() + [[1, 2, 3] * 3]
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=i) for i in range(5)]
+    params.append(SamplingParams(temperature=0, max_tokens=16))
     spec = SpecParams(k=3)
     ref = [s.output_ids for s in engine_for(models, drafter).generate(ps, params, spec)]
     e = graph_engine(models, drafter, batch_buckets=[8], q_buckets=[1, 4])
-    assert [s.output_ids for s in e.generate(ps, params, spec)] == ref
+    paths = [Paths(r) for r in e.runners()]
+    seqs = e.generate(ps, params, spec)
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(seqs)
+    assert paths[0].fast > 0 and paths[0].eager == long_prompts(ps, 4)
+    for draft in paths[1:]:
+        assert draft.fast > 0 and draft.eager <= long_prompts(ps, 4)
 
 
 def test_fused_graphs_equal_eager_target_greedy(models):
@@ -73,9 +96,13 @@ def test_fused_graphs_equal_eager_target_greedy(models):
     fast = e.target.fast
     assert isinstance(fast, GraphForward) and fast.groups is not None
     assert len(fast.groups.graphs) == 1 and fast.captures == len(fast.kv_buckets)
-    assert [s.output_ids for s in e.generate(ps, GREEDY, SpecParams(k=4))] == ref
-    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    paths = Paths(e.target)
+    seqs = e.generate(ps, GREEDY, SpecParams(k=4))
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(seqs)
+    assert [s.output_ids for s in e.generate(ps, GREEDY, SpecParams(enabled=False))] == ref
     assert len(fast.groups.graphs) == 1 and fast.captures == len(fast.kv_buckets)
+    assert paths.fast > 0 and paths.eager == 2 * long_prompts(ps, 5)
 
 
 def test_a_failing_fused_group_captures_the_eager_stack(models, monkeypatch):
@@ -96,7 +123,11 @@ def test_a_failing_fused_group_captures_the_eager_stack(models, monkeypatch):
     fast = e.target.fast
     assert isinstance(fast, GraphForward) and fast.groups is None
     assert fast.captures >= len(fast.kv_buckets)
-    assert [s.output_ids for s in e.generate(ps, GREEDY, SpecParams(k=4))] == ref
+    paths = Paths(e.target)
+    seqs = e.generate(ps, GREEDY, SpecParams(k=4))
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(seqs)
+    assert paths.fast > 0 and paths.eager == long_prompts(ps, 5)
 
 
 def test_key_length_buckets():
@@ -111,10 +142,12 @@ def test_a_failing_capture_falls_back_to_eager(models, monkeypatch):
 
     monkeypatch.setattr(GraphForward, "_capture", broken)
     ps = prompts(3)
-    ref = [s.output_ids for s in engine_for(models, "ngram").generate(ps, GREEDY)]
+    ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
     e = graph_engine(models, "ngram", batch_buckets=[8], q_buckets=[1, 5])
     assert e.target.fast is None
-    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    seqs = e.generate(ps, GREEDY, SpecParams(k=3))
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(seqs)
 
 
 @on_cuda

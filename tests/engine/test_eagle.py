@@ -5,90 +5,31 @@ output follows the target's distribution (chi-square at a fixed significance).""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine.drafters.eagle import WINDOW, EagleDrafter
-from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
-from engine.engine import SpecEngine
 from engine.k_control import FixedK
 from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from tests import helpers
-
-VOCAB, HIDDEN, LAYERS = 16, 64, 4
-
-
-def random_head(
-    seed: int, vocab: int = VOCAB, draft_vocab: int = 12, layers: int = LAYERS, hidden=HIDDEN
-):
-    """A random EAGLE-3 head for a tiny Llama, sharpened so its guesses vary."""
-    cfg = HeadConfig(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=vocab,
-        draft_vocab_size=draft_vocab,
-        target_hidden_size=hidden,
-        aux_layers=default_aux_layers(layers) if layers > 8 else (0, 1, layers - 1),
-        max_position_embeddings=512,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = Eagle3Head(cfg)
-        with torch.no_grad():
-            head.lm_head.weight.mul_(8.0)
-        head.set_vocab(torch.randperm(vocab)[:draft_vocab].sort().values)
-    return head
-
-
-def echo_head(target, draft_vocab: int = 12) -> Eagle3Head:
-    """A head that guesses the target's *current* token at each position (its layer muted, fc
-    passing the last tap through the target's own final norm and LM head, limited to the draft
-    vocabulary): right whenever the output repeats a token, so rounds accept some drafts and
-    reject others."""
-    head = random_head(0, vocab=target.config.vocab_size, draft_vocab=draft_vocab)
-    h = target.config.hidden_size
-    ids = head.draft_to_target
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, 2 * h :] = torch.eye(h)
-        head.midlayer.self_attn.o_proj.weight.zero_()
-        head.midlayer.mlp.down_proj.weight.zero_()
-        head.norm.weight.copy_(target.model.norm.weight)
-        head.lm_head.weight.copy_(target.lm_head.weight[ids])
-    return head
-
-
-def eagle_engine(target, head, slots=4, k=None, max_len=256) -> SpecEngine:
-    ctl = FixedK(k) if k is not None else None
-    return helpers.engine_for(target, "eagle3", slots, max_len=max_len, controller=ctl, head=head)
-
-
-def assert_greedy_ragged_equals_plain(engine, target, seed: int) -> None:
-    """Six ragged prompts decoded together through ``engine`` (K = 3) emit the plain engine's
-    greedy output for each alone; the head drafted and never faulted."""
-    g = SamplingParams(temperature=0, max_tokens=24)
-    ps = prompts(6, seed=seed)
-    plain = helpers.engine_for(target, None, slots=4)
-    refs = [plain.generate([p], g)[0].output_ids for p in ps]
-    outs = engine.generate(ps, g, SpecParams(k=3))
-    assert [s.output_ids for s in outs] == refs
-    assert sum(s.drafted for s in outs) > 0 and engine.drafter_failures == 0
+from tests.distribution import assert_fits, assert_rejects, exact_joint
+from tests.eagle_builders import (
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    draws,
+    eagle_engine,
+    echo_head,
+    prompts,
+    random_head,
+)
 
 
 @pytest.fixture(scope="module")
 def target():
     return helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))] for _ in range(n)]
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
@@ -281,35 +222,23 @@ def test_a_long_stretch_at_k0_is_skipped_and_output_stays_exact(target, eager):
     assert sum(s.drafted for s in seqs) > 0 and engine.drafter_failures == 0
 
 
-def draws(engine, prompt, temp, n=4000, max_tokens=4, k=2) -> dict[tuple[int, ...], int]:
-    counts: dict[tuple[int, ...], int] = {}
-    params = [SamplingParams(temperature=temp, max_tokens=max_tokens, seed=i) for i in range(n)]
-    seqs = engine.generate([prompt] * n, params, SpecParams(k=k))
-    assert sum(s.drafted for s in seqs) > n
-    for s in seqs:
-        counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
-    return counts
-
-
 @pytest.mark.usefixtures("single_thread")
 def test_sampled_distribution_matches_target():
-    """4,000 seeded requests of 4 tokens at T = 0.8, the head drafting K = 2 with its own q over
-    an 8-of-12-token draft vocabulary (zero outside it): chi-square against the exact target
-    distribution at significance 1e-3. The same test rejects a drafter that reports a q other
-    than the one it sampled from (uniform over its vocabulary)."""
+    """4,000 seeded requests of 6 tokens at T = 0.8 with top-k and top-p, the head drafting K = 4
+    with its own q over an 8-of-12-token draft vocabulary (zero outside it): the suite's
+    distribution test (tests/distribution.py). The same test rejects a drafter that reports a q
+    other than the one it sampled from (uniform over its vocabulary)."""
     small = helpers.tiny_llama(
         1, layers=LAYERS, vocab=12, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
     )
-    prompt, temp = [3, 7, 3, 3, 7], 0.8
-    exact = helpers.exact_joint(small, prompt, 4, temp)
+    prompt, sampling = [3, 7, 3, 3, 7], dict(temperature=0.8, top_k=6, top_p=0.95)
+    exact = exact_joint(small, prompt, 6, **sampling)
     head = random_head(9, vocab=12, draft_vocab=8, hidden=32)
-    _, p, df = helpers.chi_square_gof(
-        draws(eagle_engine(small, head, slots=1024, k=2), prompt, temp), exact
+    assert_fits(
+        draws(eagle_engine(small, head, slots=1024, k=4), prompt, **sampling), exact, "eagle3"
     )
-    assert df > 10
-    assert p > 1e-3, f"p = {p:.2e}: the sampled output is not the target's distribution"
 
-    wrong = eagle_engine(small, head, slots=1024, k=2)
+    wrong = eagle_engine(small, head, slots=1024, k=4)
     d = wrong.drafter
     propose = d.propose
 
@@ -320,6 +249,4 @@ def test_sampled_distribution_matches_target():
         return prop
 
     d.propose = misreported
-    _, p_wrong, _ = helpers.chi_square_gof(draws(wrong, prompt, temp), exact)
-    print(f"eagle3: right q p = {p:.3g}, misreported q p = {p_wrong:.3g}")
-    assert p_wrong < 1e-3
+    assert_rejects(draws(wrong, prompt, **sampling), exact, "eagle3, q reported uniform")

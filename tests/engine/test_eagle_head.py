@@ -12,7 +12,7 @@ import torch
 
 from engine import builder
 from engine.eagle_head import load_head, save_head
-from tests.engine.test_eagle import HIDDEN, VOCAB, random_head
+from tests.eagle_builders import HIDDEN, VOCAB, random_head
 
 # config.json as EAGLE's own training writes it for a published head (e.g.
 # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), at this test's tiny size: a plain Llama config with

@@ -11,7 +11,7 @@ from engine.drafters.eagle_q4 import dequantize, quantize, supported
 from engine.drafters.eagle_step import head_forward
 from engine.q4_matmul import GROUP
 from tests import helpers
-from tests.engine.test_eagle import (
+from tests.eagle_builders import (
     HIDDEN,
     LAYERS,
     VOCAB,

@@ -12,7 +12,7 @@ from engine.drafters.eagle_step import HeadGraphs, head_forward
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from tests import helpers
-from tests.engine.test_eagle import (
+from tests.eagle_builders import (
     HIDDEN,
     LAYERS,
     VOCAB,

@@ -1,6 +1,12 @@
 """The fast forward path (engine/fast_forward.py): bucketing, padding rows that never touch a
 committed position, exact output through the compiled path (dynamo-only "eager" backend for the
-shape logic, inductor for the real thing), warm-up before ready, and the eager fallback."""
+shape logic, inductor for the real thing), warm-up before ready, and the eager fallback.
+
+"The fast path ran" is counted per generation (:class:`Paths`): the fast path's calls after its
+warm-up (which runs every bucket, so a total proves nothing) and the eager forwards beside them.
+The draft model that speculates is the target's first two layers ("layers"): the conftest's
+one-layer draft model never agrees with the target at greedy (no draft accepted), so with it a
+comparison would never exercise an accepted draft."""
 
 import logging
 
@@ -8,9 +14,11 @@ import pytest
 import torch
 
 from engine.fast_forward import CompileConfig, FastForward, _bucket, attach, default_buckets
+from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
 from engine.worker import EngineWorker, NotAcceptingError
-from tests.helpers import engine_for
+from tests.helpers import assert_speculated, engine_for
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -20,11 +28,37 @@ def prompts(n=5, seed=0):
     return [torch.randint(1, 64, (int(L),), generator=g).tolist() for L in (3, 17, 40, 9, 60)[:n]]
 
 
-def compiled_engine(models, drafter="model", **cfg):
-    e = engine_for(models, drafter)
+def compiled_engine(models, drafter="layers", **cfg):
+    e = engine_for(models, drafter, num_layers=2)  # "layers": the target's first 2 layers
     for r in e.runners():
         attach(r, CompileConfig(enabled=True, **cfg), e.k_max)
     return e
+
+
+class Paths:
+    """``runner``'s forwards from now on, by path: ``fast`` (its fast path's calls) and
+    ``eager`` (the eager stack's)."""
+
+    def __init__(self, runner: ModelRunner):
+        assert runner.fast is not None
+        self.runner, self.fast0, self.eager = runner, runner.fast.calls, 0
+        real = runner._eager
+
+        def eager(*args, **kwargs):
+            self.eager += 1
+            return real(*args, **kwargs)
+
+        runner._eager = eager  # type: ignore[method-assign]
+
+    @property
+    def fast(self) -> int:
+        assert self.runner.fast is not None, "the fast path was dropped"
+        return self.runner.fast.calls - self.fast0
+
+
+def long_prompts(ps, q_max):
+    """Prompts whose one-chunk prefill is longer than the largest q bucket (eager forwards)."""
+    return sum(len(p) > q_max for p in ps)
 
 
 def test_buckets():
@@ -69,19 +103,29 @@ def test_padded_shape_is_the_bucket_the_forward_runs(models):
     assert e.controller.cost.shape == e.target.padded_shape  # the adaptive K prices it
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", None])
+@pytest.mark.parametrize("drafter", ["layers", "ngram", None])
 def test_fast_path_output_equals_eager(models, drafter):
     """Dynamo traces the layer (backend "eager": no inductor, fast); every bucket and a batch
-    whose slots are not contiguous go through it; greedy output equals the eager engine's."""
+    whose slots are not contiguous go through it; greedy output at K = 3 equals target-only
+    greedy through the eager engine. Every decode / verify / draft step ran compiled: the only
+    eager forwards are prefills longer than the largest q bucket (9)."""
     ps = prompts()
-    ref = [s.output_ids for s in engine_for(models, drafter).generate(ps, GREEDY)]
+    ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
     e = compiled_engine(
         models, drafter, backend="eager", batch_buckets=[1, 2, 4, 8], q_buckets=[1, 2, 4, 9]
     )
     e.warm_up()
-    out = [s.output_ids for s in e.generate(ps, GREEDY)]
-    assert out == ref
-    assert e.target.fast is not None and e.target.fast.calls > len(ps)
+    paths = [Paths(r) for r in e.runners()]
+    seqs = e.generate(ps, GREEDY, SpecParams(k=3))
+    assert [s.output_ids for s in seqs] == ref
+    if drafter is None:
+        assert sum(s.drafted for s in seqs) == 0
+    else:
+        assert_speculated(seqs)
+    target = paths[0]
+    assert target.fast > 0 and target.eager == long_prompts(ps, 9)  # the 17, 40, 60 prompts
+    for draft in paths[1:]:  # the draft model's own runner: drafting steps compiled too
+        assert draft.fast > 0 and draft.eager <= long_prompts(ps, 9)
 
 
 def test_padding_rows_never_touch_committed_positions(models):
@@ -92,6 +136,7 @@ def test_padding_rows_never_touch_committed_positions(models):
         r.forward([list(range(1, n + 1))], [s])  # prefill (eager: longer than the q bucket)
         cache.commit(s, n)
     before_k, before_v = torch.stack(cache.k), torch.stack(cache.v)
+    assert r.fast.calls == 0  # the prefills ran eagerly (no warm-up here)
     r.forward(torch.tensor([[5, 6, 7]], device=r.device), [3], counts=[2])  # 2 valid of 3
     assert r.fast.calls == 1
     changed = (torch.stack(cache.k) != before_k).any(-1)  # [layers, slots, kv_heads, positions]
@@ -107,16 +152,24 @@ def test_padding_rows_never_touch_committed_positions(models):
 
 def test_inductor_compiled_engine_is_exact(models):
     """The real compile (inductor, fp32): speculative greedy through the compiled path equals
-    target-only greedy through the eager path, at batch 1 and 5, with a draft model."""
+    target-only greedy through the eager path, at batch 1 and 5, with a draft model; its
+    verifies and drafting steps ran compiled."""
     ps = prompts()
     plain = engine_for(models, None)
     ref = [s.output_ids for s in plain.generate(ps, GREEDY)]
-    e = compiled_engine(models, "model", batch_buckets=[1, 8], q_buckets=[1, 9])
+    e = compiled_engine(models, "layers", batch_buckets=[1, 8], q_buckets=[1, 9])
     e.warm_up()
-    assert e.target.fast is not None, "inductor compile fell back to eager"
-    assert [e.generate([p], GREEDY)[0].output_ids for p in ps[:2]] == ref[:2]
-    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
-    assert e.target.fast.calls > 0 and e.drafter.runner.fast.calls > 0
+    assert all(r.fast is not None for r in e.runners()), "inductor compile fell back to eager"
+    paths = [Paths(r) for r in e.runners()]
+    spec = SpecParams(k=3)
+    singles = [e.generate([p], GREEDY, spec)[0] for p in ps[:2]]
+    assert [s.output_ids for s in singles] == ref[:2]
+    seqs = e.generate(ps, GREEDY, spec)
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(singles + seqs)
+    target, draft = paths
+    assert target.fast > 0 and target.eager == long_prompts(ps[:2] + ps, 9)
+    assert draft.fast > 0 and draft.eager <= long_prompts(ps[:2] + ps, 9)
 
 
 def test_compile_failure_falls_back_to_eager(models, caplog):
@@ -124,16 +177,21 @@ def test_compile_failure_falls_back_to_eager(models, caplog):
         raise RuntimeError("no compiler here")
 
     ps = prompts(3)
-    ref = [s.output_ids for s in engine_for(models, "ngram").generate(ps, GREEDY)]
+    spec = SpecParams(k=3)
+    ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
     e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
     with caplog.at_level(logging.WARNING, logger="specd.fast_forward"):
         e.warm_up()
     assert e.target.fast is None
     assert "running eagerly" in caplog.text
-    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    seqs = e.generate(ps, GREEDY, spec)
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(seqs)
     # the same at serving time, without a warm-up: the first fast call fails, eager takes over
     e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
-    assert [s.output_ids for s in e.generate(ps, GREEDY)] == ref
+    seqs = e.generate(ps, GREEDY, spec)
+    assert [s.output_ids for s in seqs] == ref
+    assert_speculated(seqs)
     assert e.target.fast is None
 
 

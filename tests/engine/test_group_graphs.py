@@ -39,13 +39,17 @@ def test_one_graph_per_key_serves_every_group_and_length(tiny_llama):
     prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
     feed([eager, fast], [p[:4] for p in prompts], [0, 1, 2, 3])  # q 4: batch 4, q > 1
     # rows are slots: slot 0 alone runs batch 1, any other slot the batch-4 bucket
+    assert fast.fast.calls == 1  # that forward ran compiled (none ran before it)
     steps = [([[7]], [0]), ([[8], [9]], [0, 2]), ([[3, 4]], [1]), ([[5, 6]], [0])] * 20
+    fed = 1
     for tokens, slots in steps:  # keys: batch 1 or more x q 1 or more; lengths grow to ~64
         if max(fast.cache.lengths[s] for s in slots) + 2 >= fast.max_len:
             break
         e, f = feed([eager, fast], tokens, slots)
+        fed += 1
         torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fast.tapped, eager.tapped, atol=1e-4, rtol=1e-4)
+    assert fed > 20 and fast.fast.calls == fed  # every forward ran the compiled groups
     graphs = fast.fast.graphs.graphs
     assert len(graphs) == 4  # three layers share each key's graph, whatever the key length
     assert {k[0] for k in graphs} == {(True, True), (False, True), (True, False), (False, False)}
@@ -70,6 +74,7 @@ def test_a_structurally_different_group_gets_its_own_graph(tiny_llama):
     e, f = feed([eager, fast], [[12]], [0])
     torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
     assert len(fast.fast.graphs.graphs) == 2
+    assert fast.fast.calls == 2  # both forwards ran compiled
 
 
 def test_guardless_graphs_of_one_function_keep_their_entries_apart():

@@ -2,7 +2,9 @@
 bit-identical however it is fed (one chunk, one token a forward, a verify of several, beside
 other rows at other positions), in bf16 as in fp32, and equal the eager forward's up to
 rounding; the start-up check passes on such kernels and names a forward that is not invariant.
-The engine level (speculation on or off, any batch, "request" mode) is test_deterministic.py."""
+The control: the eager forward of these very shapes is not bit-identical (in fp32 as in bf16),
+and every forward of the test ran the invariant one (counted). The engine level (speculation on
+or off, any batch, "request" mode) is test_deterministic.py."""
 
 import pytest
 import torch
@@ -24,6 +26,20 @@ def runner(request):
     return r
 
 
+@pytest.fixture
+def invariant_calls(monkeypatch) -> list[int]:
+    """One entry per call of the batch-invariant forward during the test."""
+    calls: list[int] = []
+    real = invariant.forward
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(invariant, "forward", forward)
+    return calls
+
+
 def feed(r: ModelRunner, slot: int, pieces: list[int], beside: list[list[int]] = ()):
     """The prompt's logits fed in ``pieces`` (sizes) to ``slot``, other slots' rows beside it
     (fed at their start each time, never committed)."""
@@ -39,11 +55,28 @@ def feed(r: ModelRunner, slot: int, pieces: list[int], beside: list[list[int]] =
     return torch.cat(out)  # [prompt, vocab]
 
 
-def test_logits_are_bit_identical_however_the_tokens_are_fed(runner):
-    whole = feed(runner, 0, [len(PROMPT)])
-    one_by_one = feed(runner, 1, [1] * len(PROMPT), beside=[[7, 8, 9], [4]])
-    verify_like = feed(runner, 2, [5, 4, 1, 7, 20, 40], beside=[list(range(30, 52))])
+def fed_three_ways(runner: ModelRunner) -> list[torch.Tensor]:
+    """The prompt's logits fed as one chunk, one token a forward beside two other rows, and in
+    verify-like pieces beside a prefill-like row."""
+    return [
+        feed(runner, 0, [len(PROMPT)]),
+        feed(runner, 1, [1] * len(PROMPT), beside=[[7, 8, 9], [4]]),
+        feed(runner, 2, [5, 4, 1, 7, 20, 40], beside=[list(range(30, 52))]),
+    ]
+
+
+def test_logits_are_bit_identical_however_the_tokens_are_fed(runner, invariant_calls):
+    whole, one_by_one, verify_like = fed_three_ways(runner)
     assert torch.equal(one_by_one, whole) and torch.equal(verify_like, whole)
+    assert len(invariant_calls) == 1 + len(PROMPT) + 6  # every forward was the invariant one
+    # the control: the eager forward, fed the same ways, is not bit-identical here
+    runner.invariant = False
+    try:
+        whole, one_by_one, verify_like = fed_three_ways(runner)
+    finally:
+        runner.invariant = True
+    assert len(invariant_calls) == 1 + len(PROMPT) + 6  # (none of these ran it)
+    assert not (torch.equal(one_by_one, whole) and torch.equal(verify_like, whole))
 
 
 def test_invariant_forward_equals_the_eager_one_up_to_rounding(runner):

@@ -290,3 +290,25 @@ def test_builder_tells_the_controller_which_drafters_always_propose():
         drafter = SimpleNamespace(samples=samples, steps=lambda w: w)
         ctrl = make_controller(d, drafter)
         assert isinstance(ctrl, AdaptiveK) and ctrl.always_drafts is samples
+
+
+def test_reset_forgets_the_probe_backoff_and_the_next_round_but_keeps_the_costs():
+    """After probes that found nothing (the probe spacing backed off for batches of 8),
+    ``reset`` probes as a fresh controller does; the measured costs are kept."""
+    ctrl = controller(CPU_LINEAR)
+    simulate(ctrl, [0.0] * 50, CPU_LINEAR, batch=8)
+
+    def gap(prober):  # rounds to the next probe, the rule asking K = 0 (the probe fails)
+        n = 1
+        while not prober.decide(0, 8, 0.2):
+            n += 1
+        return n
+
+    for _ in range(6):
+        gap(ctrl.prober)
+    backed_off = gap(ctrl.prober)
+    observed = ctrl.cost.observed
+    ctrl.reset()
+    fresh = controller(CPU_LINEAR).prober
+    assert gap(ctrl.prober) == gap(fresh) < backed_off
+    assert ctrl.cost.observed == observed > 0

@@ -9,12 +9,27 @@ import torch
 
 from engine import round as round_module
 from engine.penalties import apply_penalties
-from engine.sampling import SamplingParams, logits_to_probs
+from engine.sampling import SamplingParams
 from engine.sequence import Sequence, SpecParams
-from tests.engine.test_engine_distribution import PROMPT, V, assert_fits, gof, tiny
-from tests.helpers import engine_for, histogram
+from tests.distribution import assert_fits, assert_rejects, exact_joint
+from tests.helpers import assert_speculated, engine_for, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+
+V = 8
+PROMPT = [3, 7, 3, 3, 7]
+
+
+def tiny(seed):
+    """The distribution tests' tiny Llama (vocabulary 8, LM head sharpened x8)."""
+    return tiny_llama(
+        seed, layers=2, vocab=V, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
+    )
+
+
+def outputs(seqs):
+    return [s.output_ids for s in seqs]
+
 
 STRONG = dict(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.6)
 BIAS = ((1, 2.5), (4, -1.0))
@@ -81,30 +96,17 @@ def test_greedy_with_penalties_is_exact_under_speculation(drafter):
     plain = engine_for(models, None, slots=4, max_len=32).generate(prompts, params)
     for s, q, prompt, p in zip(spec, plain, prompts, params):
         assert s.output_ids == q.output_ids == reference_greedy(models[0], prompt, p, 12)
-    assert sum(s.drafted for s in spec) > 0
-    accepted = sum(s.accepted for s in spec)
-    assert 0 < accepted < sum(s.drafted for s in spec)  # both paths ran
+    assert_speculated(spec)  # both paths ran
 
 
 def exact_joint_penalized(model, p: SamplingParams, n_tokens: int) -> dict:
-    """P(output) of every output of ``n_tokens`` tokens, by enumeration, with the processing."""
-    joint: dict = {}
+    """P(output) of every output of ``n_tokens`` tokens, by the suite's enumerator, with the
+    processing of :func:`reference` before the temperature."""
 
-    def walk(prefix: list[int], pr: float) -> None:
-        if len(prefix) == n_tokens:
-            joint[tuple(prefix)] = pr
-            return
-        with torch.no_grad():
-            ids = torch.tensor([PROMPT + prefix], device=model.device)
-            raw = model(ids).logits[0, -1].float().tolist()
-        x = torch.tensor([[reference(raw, PROMPT, prefix, p)]])
-        one = torch.ones(1)
-        probs = logits_to_probs(x, one * p.temperature, one.long() * 0, one)[0, 0].double()
-        for t, pt in enumerate(probs.tolist()):
-            walk(prefix + [t], pr * pt)
+    def process(raw: torch.Tensor, output: list[int]) -> torch.Tensor:
+        return torch.tensor(reference(raw.tolist(), PROMPT, output, p))
 
-    walk([], 1.0)
-    return joint
+    return exact_joint(model, PROMPT, n_tokens, p.temperature, process=process)
 
 
 def _ignoring_drafts(logits, seqs, drafts):
@@ -128,13 +130,10 @@ def test_sampled_with_penalties_follows_the_processed_distribution(monkeypatch):
         return engine.generate([PROMPT] * n, params, SpecParams(k=2))
 
     seqs = run()
-    drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
-    assert drafted > n and 0.05 < accepted / drafted < 0.95
-    assert_fits(seqs, joint, "penalties + bias, draft model, T=1")
+    drafted, accepted = assert_speculated(seqs, min_drafted=n)
+    assert 0.05 < accepted / drafted < 0.95
+    assert_fits(outputs(seqs), joint, "penalties + bias, draft model, T=1")
     # the test has the power to see penalties that ignore the drafts before a position
     monkeypatch.setattr(round_module, "apply_penalties", _ignoring_drafts)
     wrong = run()
-    stat, pval, _ = gof(wrong, joint)
-    print(f"penalties ignoring drafts: chi2 = {stat:.1f}, p = {pval:.3g}")
-    assert pval < 1e-6, (stat, pval)
-    assert len(histogram(s.output_ids for s in wrong)) > 20
+    assert_rejects(outputs(wrong), joint, "penalties ignoring drafts")

@@ -7,7 +7,8 @@ import torch
 
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from tests.helpers import engine_for, target_probs, tiny_llama
+from tests.distribution import target_probs
+from tests.helpers import engine_for, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -12,7 +12,7 @@ import pytest
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.worker import EngineError, EngineWorker, NotAcceptingError, QueueFullError
-from tests.helpers import engine_for
+from tests.helpers import assert_speculated, engine_for
 
 REQUESTS = [  # (prompt, params, K): different lengths, greedy and seeded sampling, mixed K
     ([1, 2, 3], SamplingParams(temperature=0, max_tokens=20), 3),
@@ -47,6 +47,11 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def drafts(outs) -> list[tuple[int, int]]:
+    """(drafted, accepted) of each output's round (a merged output's rounds summed)."""
+    return [(o.stats.drafted, o.stats.accepted) for o in outs if o.stats is not None]
+
+
 def settle(w):
     """Return once every abort sent so far has landed: the inbox is FIFO, so a request submitted
     now completes only after the engine took the earlier commands."""
@@ -60,16 +65,18 @@ def test_concurrent_equals_alone(models, drafter):
     w = EngineWorker(e)
     w.start()
     try:
+        outs: list = []
 
         async def main():
             return await asyncio.gather(
-                *(collect(w, f"r{i}", p, sp, k) for i, (p, sp, k) in enumerate(REQUESTS))
+                *(collect(w, f"r{i}", p, sp, k, outs) for i, (p, sp, k) in enumerate(REQUESTS))
             )
 
         got = run(asyncio.wait_for(main(), 120))
     finally:
         w.shutdown()
     assert got == ref
+    assert_speculated(drafts(outs))  # the rounds they shared drafted, accepted and rejected
     assert e.target.cache.used_tokens() == 0 and e.target.cache.num_free() == 8
 
 
@@ -78,6 +85,7 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
     e = engine_for(models)
     w = EngineWorker(e)
     w.start()
+    outs: list = []
 
     async def main():
         first = asyncio.create_task(collect(w, "a", *REQUESTS[0][:2], REQUESTS[0][2]))
@@ -96,7 +104,7 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
         v = asyncio.create_task(victim())
         await v_started.wait()  # the others join while a and v are running
         rest = [
-            asyncio.create_task(collect(w, f"r{i}", p, sp, k))
+            asyncio.create_task(collect(w, f"r{i}", p, sp, k, outs))
             for i, (p, sp, k) in enumerate(REQUESTS[1:], 1)
         ]
         await v
@@ -109,6 +117,7 @@ def test_join_mid_flight_and_abort_leaves_others_unchanged(models):
     finally:
         w.shutdown()
     assert got == ref
+    assert_speculated(drafts(outs))
     assert not e.running and not e.prefilling and e.target.cache.used_tokens() == 0
     assert e.drafter.cache.used_tokens() == 0
 
@@ -233,10 +242,13 @@ def test_step_fault_fails_running_requests_and_worker_keeps_serving(models):
 
 
 def test_chunked_prefill_is_exact_and_interleaves(models):
+    """A long prompt prefilled 16 tokens a step while a short request keeps decoding; greedy
+    output equals target-only greedy. (The draft model is the target's first 2 layers: the
+    conftest's one-layer draft never agrees with the target at greedy.)"""
     long_prompt = list(range(1, 60)) * 3  # 177 tokens
     params = SamplingParams(temperature=0, max_tokens=12)
-    ref = engine_for(models).generate([long_prompt], params, SpecParams(k=3))[0].output_ids
-    e = engine_for(models, chunk=16)
+    ref = engine_for(models, None).generate([long_prompt], params)[0].output_ids
+    e = engine_for(models, "layers", chunk=16, num_layers=2)
     short = e.add_request(
         "s", [1, 2, 3], SamplingParams(temperature=0, max_tokens=40), SpecParams(k=2)
     )
@@ -251,6 +263,7 @@ def test_chunked_prefill_is_exact_and_interleaves(models):
     while e.has_work():
         e.step()
     assert seq.output_ids == ref
+    assert_speculated([seq, short])
     assert steps_while_prefilling >= 5  # the short stream kept going during the long prefill
 
 

@@ -14,6 +14,7 @@ from tests.server.test_metrics import scrape, total
 pytestmark = pytest.mark.real_model
 
 
+@pytest.mark.drafter_faults  # the fault is injected: it must not fail the test (tests/conftest.py)
 def test_drafter_fault_falls_back_exactly_and_is_counted(live, monkeypatch):
     body = {
         "model": MODEL,

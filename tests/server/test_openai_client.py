@@ -1,4 +1,10 @@
-"""The official openai client (sync and async) against a live specd on the real model."""
+"""The official openai client (sync and async) against a live specd on the real model.
+
+Tests that take ``served`` run on the fp32 server and on the default config's (bf16, 4-bit,
+compiled, EAGLE-3 head + n-gram: tests/server/conftest.py). Where speculation is the subject the
+request forces it (``speculation.k``: the adaptive K may keep a request plain on a busy machine)
+and the test checks from ``usage.speculation`` that it ran (``assert_speculated``); outputs
+compared token for token send ``served.exact`` (deterministic mode on the bf16 server)."""
 
 import asyncio
 
@@ -6,15 +12,27 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
+from tests.helpers import assert_speculated
 
 pytestmark = pytest.mark.real_model
 CHAT = [{"role": "user", "content": "List three primary colors, comma separated."}]
 FORCED_K = {"speculation": {"k": 4}}  # speculation runs whatever this machine's speed
+PLAIN = {"speculation": {"enabled": False}}
 
 
 @pytest.fixture(scope="module")
 def client(live):
     return openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def client_of(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def spec_of(r) -> tuple[int, int]:
+    """A response's ``usage.speculation`` as (drafted, accepted)."""
+    s = r.usage.model_extra["speculation"]
+    return s["drafted_tokens"], s["accepted_tokens"]
 
 
 def test_models(client):
@@ -43,19 +61,29 @@ def test_stream_chunks_carry_role_once_and_a_fingerprint(live):
     assert len(fps) == 1 and fps.pop().startswith("fp_")
 
 
-def test_chat_greedy_equals_target_only_greedy(client, live, target_greedy):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=40)
-    ids = live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)[
-        "input_ids"
-    ]
-    ref = target_greedy(list(ids), 40)
-    assert r.choices[0].message.content == live.tokenizer.decode(ref, skip_special_tokens=True)
+def test_chat_greedy_with_speculation_equals_plain_greedy(served, target_greedy):
+    """Greedy output at a forced K is plain decoding's on the same server, token for token,
+    with drafts accepted and rejected on the way; on the fp32 server it is also transformers'
+    own greedy decoding (an independent reference)."""
+    client = client_of(served)
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=40)
+    plain = client.chat.completions.create(**kw, extra_body={**PLAIN, **served.exact})
+    r = client.chat.completions.create(**kw, extra_body={**FORCED_K, **served.exact})
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    assert r.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert r.usage.completion_tokens == plain.usage.completion_tokens
+    assert_speculated([spec_of(r)], can_reject=True)
+    assert spec_of(plain) == (0, 0)
     assert r.choices[0].message.role == "assistant"
-    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
-    assert r.choices[0].finish_reason == (
-        "stop" if ref[-1] == live.tokenizer.eos_token_id else "length"
-    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    if served.name != "live":
+        return
+    tok = served.tokenizer
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)["input_ids"]
+    ref = target_greedy(list(ids), 40)
+    assert r.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(ref)
+    assert r.choices[0].finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
 
 
 def test_completion_stream_concatenates_to_non_stream(client):
@@ -83,8 +111,10 @@ def test_chat_stream_with_usage(client):
     assert spec["drafted_tokens"] > 0  # speculation ran
 
 
-def test_n_choices_under_forced_speculation_equal_the_single_greedy_choice(client):
-    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, extra_body=FORCED_K)
+def test_n_choices_under_forced_speculation_equal_the_single_greedy_choice(served):
+    client = client_of(served)
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)
+    kw["extra_body"] = {**FORCED_K, **served.exact}
     one = client.chat.completions.create(**kw)
     three = client.chat.completions.create(n=3, **kw)
     assert sorted(c.index for c in three.choices) == [0, 1, 2]
@@ -92,7 +122,7 @@ def test_n_choices_under_forced_speculation_equal_the_single_greedy_choice(clien
     # usage counts every choice's output and the prompt once, as OpenAI does
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
-    assert three.usage.model_extra["speculation"]["drafted_tokens"] > 0
+    assert_speculated([spec_of(one), spec_of(three)], can_reject=True)
     streamed = [""] * 3
     for chunk in client.chat.completions.create(n=3, stream=True, **kw):
         for c in chunk.choices:
@@ -121,11 +151,17 @@ def test_n_choices(client):
     assert len({c.message.content for c in r.choices}) > 1
 
 
-def test_stop_string_is_honoured(client):
+def test_stop_string_is_honoured(served):
+    """A stop string that speculative rounds run past: the text ends before it, streamed or
+    not (rounds emit several tokens at once: the stop string can sit inside one)."""
+    client = client_of(served)
     kw = dict(model=MODEL, prompt="def fibonacci(n):\n", temperature=0, max_tokens=48)
-    full = client.completions.create(**kw).choices[0].text
+    kw["extra_body"] = {**FORCED_K, **served.exact}
+    r = client.completions.create(**kw)
+    full = r.choices[0].text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     cut = full.index(stop)
+    runs = [spec_of(r)]
     for stream in (False, True):
         if stream:
             text = "".join(
@@ -137,7 +173,9 @@ def test_stop_string_is_honoured(client):
             r = client.completions.create(stop=stop, **kw)
             text = r.choices[0].text
             assert r.choices[0].finish_reason == "stop"
+            runs.append(spec_of(r))
         assert text == full[:cut] and stop not in text
+    assert_speculated(runs, can_reject=True)
 
 
 def test_prompt_forms_and_echo(client, live):
@@ -158,48 +196,70 @@ def test_prompt_forms_and_echo(client, live):
     assert e.choices[0].text == "The capital of France is" + t.choices[0].text
 
 
-def test_chat_logprobs(client):
-    r = client.chat.completions.create(
-        model=MODEL, messages=CHAT, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3
+def test_chat_logprobs(served):
+    """Greedy at a forced K: every token's logprob is its position's top one (the verify's
+    logits at that position, not a neighbour's), one entry per token, rounds of several."""
+    r = client_of(served).chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=FORCED_K,
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for t in content:
         assert t.logprob <= 0 and len(t.top_logprobs) == 3
         assert abs(t.logprob - max(x.logprob for x in t.top_logprobs)) < 1e-5  # greedy = argmax
+        assert t.token == t.top_logprobs[0].token
+    assert_speculated([spec_of(r)], can_reject=False)
 
 
 def test_completion_logprobs_match_target_model(client, live):
+    """fp32: the logprobs of every generated token, drafted and accepted ones included (a text
+    that repeats: n-gram drafts), equal the target's own forward over the text."""
     import torch
 
-    prompt = "The quick brown fox"
+    prompt = "red, green, blue, red, green, blue, red, green, blue, red,"
     r = client.completions.create(
-        model=MODEL, prompt=prompt, temperature=0, max_tokens=6, logprobs=2
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=8, logprobs=2, extra_body=FORCED_K
     )
     lp = r.choices[0].logprobs
     ids = live.tokenizer(prompt)["input_ids"]
     out = live.tokenizer(prompt + r.choices[0].text)["input_ids"]
     with torch.inference_mode():
         ref = torch.log_softmax(live.model(torch.tensor([out])).logits[0].float(), -1)
-    if out[: len(ids)] == ids:  # the text re-tokenizes to the same tokens
-        for j, value in enumerate(lp.token_logprobs[: len(out) - len(ids)]):
-            assert abs(value - float(ref[len(ids) + j - 1, out[len(ids) + j]])) < 1e-3
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert out[: len(ids)] == ids and len(out) == len(ids) + 8  # re-tokenizes to the same tokens
+    for j, value in enumerate(lp.token_logprobs):
+        assert abs(value - float(ref[len(ids) + j - 1, out[len(ids) + j]])) < 1e-3
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    _, accepted = spec_of(r)
+    assert accepted > 0  # tokens at verify positions past the first were scored too
 
 
-def test_async_client_streams_concurrently(live):
+def test_async_client_streams_concurrently(served):
+    """Three streams at once at a forced K equal each one alone (greedy; batched rounds)."""
+
     async def main():
-        c = openai.AsyncOpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120)
+        c = openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0, timeout=300)
 
         async def one(q):
             s = await c.chat.completions.create(
                 model=MODEL,
                 stream=True,
+                stream_options={"include_usage": True},
                 temperature=0,
                 max_tokens=16,
                 messages=[{"role": "user", "content": q}],
+                extra_body={**FORCED_K, **served.exact},
             )
-            return "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+            text, usage = "", None
+            async for ch in s:
+                text += "".join(x.delta.content or "" for x in ch.choices)
+                usage = spec_of(ch) if ch.usage is not None else usage
+            return text, usage
 
         qs = ["What is 2+2?", "Name a fruit.", "Say hello."]
         together = await asyncio.gather(*(one(q) for q in qs))
@@ -207,46 +267,77 @@ def test_async_client_streams_concurrently(live):
         return together, alone
 
     together, alone = asyncio.run(main())
-    assert together == alone and all(together)
+    assert [t for t, _ in together] == [t for t, _ in alone] and all(t for t, _ in together)
+    assert_speculated([u for _, u in together], can_reject=True)
 
 
-def test_stop_string_usage_and_logprobs_do_not_depend_on_speculation(client):
+def test_stop_string_usage_and_logprobs_do_not_depend_on_speculation(served):
     """The round that completes a stop string may have emitted tokens past it: they are not
     counted. Usage and logprobs end at the token that completes the stop string, as plain
     decoding (one token a step) ends them. (A repetitive prompt: n-gram drafts get accepted,
     so rounds emit several tokens.)"""
+    client = client_of(served)
     prompt = "red green blue, " * 6
     kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=40, logprobs=0)
-    full = client.completions.create(**kw, extra_body={"speculation": {"enabled": False}})
+    full = client.completions.create(**kw, extra_body={**PLAIN, **served.exact})
     text, tokens = full.choices[0].text, full.choices[0].logprobs.tokens
+    runs = []
     for at in (len(text) * f // 6 for f in (1, 2, 3, 4)):
         stop = text[at : at + 3]
         ends = [j for j in range(len(tokens)) if stop in "".join(tokens[: j + 1])]
         want = ends[0] + 1  # the token that completes the stop string, counted
         for spec in ({"enabled": False}, {"k": 6}):
-            r = client.completions.create(**kw, stop=[stop], extra_body={"speculation": spec})
+            extra = {"speculation": spec, **served.exact}
+            r = client.completions.create(**kw, stop=[stop], extra_body=extra)
             c = r.choices[0]
             assert c.text == text[: text.index(stop)] and c.finish_reason == "stop"
             assert r.usage.completion_tokens == len(c.logprobs.tokens) == want, (stop, spec)
+            if "k" in spec:
+                runs.append(spec_of(r))
+    _, accepted = assert_speculated(runs, can_reject=False)
+    assert accepted > 0  # rounds emitted several tokens: a stop string could fall inside one
 
 
-def test_logit_bias_forces_and_bans_tokens(client, live):
+def test_logit_bias_forces_and_bans_tokens(served):
+    """The bias holds at every verified position of a round, not only the first: a banned
+    token that the drafter proposes (n-gram copies it from the prompt) is rejected, a forced
+    token is the only one accepted (the EAGLE-3 head drafts others)."""
     import torch
 
-    ids = live.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)
-    with torch.inference_mode():
-        logits = live.model(torch.tensor([list(ids["input_ids"])])).logits[0, -1].float()
-    best, second = logits.topk(2).indices.tolist()
-    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=1)
-    banned = client.chat.completions.create(**kw, logit_bias={str(best): -100})
-    assert banned.choices[0].message.content == live.tokenizer.decode([second])
-    forced = client.chat.completions.create(**{**kw, "max_tokens": 6}, logit_bias={"28": 100})
-    assert forced.choices[0].message.content == live.tokenizer.decode([28] * 6)
+    client, tok = client_of(served), served.tokenizer
+    kw = dict(model=MODEL, temperature=0, extra_body={**FORCED_K, **served.exact})
+    runs = []
+    if served.name == "live":  # fp32: the first token's top two from transformers' forward
+        ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=True)
+        with torch.inference_mode():
+            logits = served.model(torch.tensor([list(ids["input_ids"])])).logits[0, -1].float()
+        best, second = logits.topk(2).indices.tolist()
+        banned = client.chat.completions.create(
+            **kw, messages=CHAT, max_tokens=1, logit_bias={str(best): -100}
+        )
+        assert banned.choices[0].message.content == tok.decode([second])
+    forced = client.chat.completions.create(
+        **kw, messages=CHAT, max_tokens=6, logit_bias={"28": 100}
+    )
+    assert forced.choices[0].message.content == tok.decode([28] * 6)
+    runs.append(spec_of(forced))
+    red = tok(" red", add_special_tokens=False)["input_ids"]
+    assert len(red) == 1
+    prompt = "red, green, blue, red, green, blue, red, green, blue, red,"
+    unbiased = client.completions.create(**kw, prompt=prompt, max_tokens=12, logprobs=0)
+    assert " red" in unbiased.choices[0].logprobs.tokens  # what the ban has to stop
+    r = client.completions.create(
+        **kw, prompt=prompt, max_tokens=12, logprobs=0, logit_bias={str(red[0]): -100}
+    )
+    assert " red" not in r.choices[0].logprobs.tokens, r.choices[0].logprobs.tokens
+    runs.append(spec_of(r))
+    assert_speculated(runs, can_reject=True)
 
 
-def test_penalties_greedy_equal_with_and_without_speculation(client):
-    """fp32, greedy: the penalised output is the same token for token whatever K (the
-    penalties at each verified position count the drafts before it)."""
+def test_penalties_greedy_equal_with_and_without_speculation(served):
+    """Greedy: the penalised output is the same token for token whatever K (the penalties at
+    each verified position count the drafts before it)."""
+    client = client_of(served)
     kw = dict(
         model=MODEL,
         prompt="red green blue, red green blue, red green blue,",
@@ -256,12 +347,17 @@ def test_penalties_greedy_equal_with_and_without_speculation(client):
         frequency_penalty=0.6,
         logprobs=0,
     )
-    off = client.completions.create(**kw, extra_body={"speculation": {"enabled": False}})
-    on = client.completions.create(**kw, extra_body={"speculation": {"k": 5}})
-    rep = client.completions.create(**kw, extra_body={"repetition_penalty": 1.3})
-    base = client.completions.create(**{**kw, "presence_penalty": 0, "frequency_penalty": 0})
+    off = client.completions.create(**kw, extra_body={**PLAIN, **served.exact})
+    on = client.completions.create(**kw, extra_body={"speculation": {"k": 5}, **served.exact})
+    rep = client.completions.create(
+        **kw, extra_body={"repetition_penalty": 1.3, **PLAIN, **served.exact}
+    )
+    base = client.completions.create(
+        **{**kw, "presence_penalty": 0, "frequency_penalty": 0},
+        extra_body={**PLAIN, **served.exact},
+    )
     assert on.choices[0].logprobs.tokens == off.choices[0].logprobs.tokens
-    assert on.usage.model_extra["speculation"]["drafted_tokens"] > 0
+    assert_speculated([spec_of(on)], can_reject=True)
     assert off.choices[0].text != base.choices[0].text != rep.choices[0].text  # they act
 
 

@@ -1,7 +1,11 @@
-"""Structured outputs on the real model (fp32): every output at T = 0 and T = 1 parses and
-validates against its schema (nested objects, arrays, enums, anyOf, $ref, string formats);
-greedy output with speculation equals it without, token for token; the other constraint kinds
-(json_object, regex, choice, Lark) hold; bad schemas are refused with a 400."""
+"""Structured outputs on the real model, on the fp32 server and on the default config's (bf16,
+4-bit, compiled, EAGLE-3 head + n-gram: tests/server/conftest.py): every output at T = 0 and
+T = 1 parses and validates against its schema (nested objects, arrays, enums, anyOf, $ref,
+string formats); greedy output with speculation equals it without, token for token (deterministic
+mode on the bf16 server); the other constraint kinds (json_object, regex, choice, Lark) hold,
+sampled with speculation forced; bad schemas are refused with a 400. Speculation is forced
+(``speculation.k``: a seeded sampled request drafts only then) and checked from
+``usage.speculation``."""
 
 import json
 import re
@@ -11,6 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
+from tests.helpers import assert_speculated
 
 pytestmark = pytest.mark.real_model
 
@@ -58,9 +63,14 @@ ITEMS = {
 ASK = [{"role": "user", "content": "Describe a person called Ada as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=300)
+def client_of(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="x", max_retries=0, timeout=300)
+
+
+def spec_of(r) -> tuple[int, int]:
+    """A response's ``usage.speculation`` as (drafted, accepted)."""
+    s = r.usage.model_extra["speculation"]
+    return s["drafted_tokens"], s["accepted_tokens"]
 
 
 def schema_format(schema, name="s"):
@@ -68,44 +78,62 @@ def schema_format(schema, name="s"):
 
 
 @pytest.mark.parametrize("schema", [PERSON, ITEMS], ids=["person", "items"])
-def test_outputs_validate_and_greedy_is_the_same_with_speculation(client, schema):
+def test_outputs_validate_and_greedy_is_the_same_with_speculation(served, schema):
+    client = client_of(served)
     validator = jsonschema_rs.validator_for(schema, validate_formats=True)
     kw = dict(model=MODEL, messages=ASK, max_tokens=300, response_format=schema_format(schema))
-    greedy = {}
+    greedy, runs = {}, []
     for spec in ({"enabled": False}, {"k": 4}):
         r = client.chat.completions.create(
-            **kw, temperature=0, logprobs=True, extra_body={"speculation": spec}
+            **kw, temperature=0, logprobs=True, extra_body={"speculation": spec, **served.exact}
         )
         c = r.choices[0]
         assert c.finish_reason == "stop", c.message.content
         assert validator.is_valid(json.loads(c.message.content)), c.message.content
         greedy[spec.get("k", 0)] = [t.token for t in c.logprobs.content]
+        runs.append(spec_of(r))
     assert greedy[4] == greedy[0]  # token for token
-    sampled = client.chat.completions.create(**kw, temperature=1.0, seed=5, n=4)
+    assert runs[0] == (0, 0)
+    assert_speculated(runs[1:], can_reject=True)
+    sampled = client.chat.completions.create(
+        **kw, temperature=1.0, seed=5, n=4, extra_body={"speculation": {"k": 3}}
+    )
     for c in sampled.choices:
         assert c.finish_reason == "stop" and validator.is_valid(json.loads(c.message.content))
+    assert_speculated([spec_of(sampled)], can_reject=True)  # sampled drafts, masked
 
 
-def test_json_object_regex_choice_and_lark(client):
+def test_json_object_regex_choice_and_lark(served):
+    client = client_of(served)
     r = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
         max_tokens=200,
         temperature=0,
         response_format={"type": "json_object"},
+        extra_body={"speculation": {"k": 3}},
     )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+    runs = [spec_of(r)]
     comp = dict(model=MODEL, prompt="The date today is", temperature=1.0, seed=3, max_tokens=20)
+    spec = {"speculation": {"k": 3}}
     r = client.completions.create(
-        **comp, extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}}
+        **comp, extra_body={"structured_outputs": {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}, **spec}
     )
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r.choices[0].text)
+    runs.append(spec_of(r))
     choice = ["yes", "no", "maybe"]
-    r = client.completions.create(**comp, extra_body={"structured_outputs": {"choice": choice}})
+    r = client.completions.create(
+        **comp, extra_body={"structured_outputs": {"choice": choice}, **spec}
+    )
     assert r.choices[0].text in choice
     lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
-    r = client.completions.create(**comp, extra_body={"structured_outputs": {"grammar": lark}})
+    r = client.completions.create(
+        **comp, extra_body={"structured_outputs": {"grammar": lark}, **spec}
+    )
     assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", r.choices[0].text)
+    runs.append(spec_of(r))
+    assert_speculated(runs, can_reject=True)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,10 @@
 """Tool calling through the official client on the real model, for every tool_choice, streamed
 and not: calls come back as OpenAI's message.tool_calls / delta.tool_calls with arguments that
 validate against the tool's parameters; earlier calls and tool results round-trip in the
-history; inconsistent tool requests get a 400."""
+history; inconsistent tool requests get a 400. On the fp32 server and on the default config's
+(bf16, 4-bit, compiled, EAGLE-3 head + n-gram: tests/server/conftest.py), with speculation
+forced (``speculation.k``) and checked from ``usage.speculation``; the streamed and the
+non-streamed response are compared in deterministic mode on the bf16 server (``served.exact``)."""
 
 import json
 
@@ -10,6 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import MODEL
+from tests.helpers import assert_speculated
 
 pytestmark = pytest.mark.real_model
 
@@ -45,9 +49,17 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CHOICES = ["required", {"type": "function", "function": {"name": "get_time"}}, "auto", "none"]
 
 
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=300)
+SPEC = {"speculation": {"k": 3}}
+
+
+def client_of(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.base_url, api_key="x", max_retries=0, timeout=300)
+
+
+def spec_of(r) -> tuple[int, int]:
+    """A response's ``usage.speculation`` as (drafted, accepted)."""
+    s = r.usage.model_extra["speculation"]
+    return s["drafted_tokens"], s["accepted_tokens"]
 
 
 def check_calls(calls, allowed):
@@ -59,11 +71,17 @@ def check_calls(calls, allowed):
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=["required", "named", "auto", "none"])
-def test_tool_choice_streamed_and_not(client, choice):
+def test_tool_choice_streamed_and_not(served, choice):
+    client = client_of(served)
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice)
-    kw |= dict(temperature=0, max_tokens=120)
+    kw |= dict(temperature=0, max_tokens=120, extra_body={**SPEC, **served.exact})
     r = client.chat.completions.create(**kw)
     m, reason = r.choices[0].message, r.choices[0].finish_reason
+    # speculation ran: drafts (a call's name and argument values: few, often all rejected) or
+    # the grammar's forced runs (its keys and punctuation, free drafts): fewer target passes
+    assert_speculated([spec_of(r)], can_reject=False)
+    passes = r.usage.model_extra["speculation"]["target_passes"]
+    assert passes < r.usage.completion_tokens
     if choice == "none":
         assert m.tool_calls is None and m.content and reason in ("stop", "length")
         return
@@ -99,7 +117,8 @@ def test_tool_choice_streamed_and_not(client, choice):
         assert content == m.content
 
 
-def test_history_with_calls_and_results_and_single_calls(client):
+def test_history_with_calls_and_results_and_single_calls(served):
+    client = client_of(served)
     history = ASK + [
         {
             "role": "assistant",
@@ -118,9 +137,15 @@ def test_history_with_calls_and_results_and_single_calls(client):
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18, "sky": "clear"}'},
     ]
     r = client.chat.completions.create(
-        model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=80
+        model=MODEL,
+        messages=history,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=80,
+        extra_body=SPEC,
     )
     assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    runs = [spec_of(r)]
     one = client.chat.completions.create(
         model=MODEL,
         messages=ASK,
@@ -131,9 +156,12 @@ def test_history_with_calls_and_results_and_single_calls(client):
         seed=2,
         n=3,
         max_tokens=120,
+        extra_body=SPEC,  # sampled and seeded: drafts only with a K of its own
     )
     for c in one.choices:
         assert len(c.message.tool_calls) == 1
+    runs.append(spec_of(one))
+    assert_speculated(runs, can_reject=True)
 
 
 @pytest.mark.parametrize(

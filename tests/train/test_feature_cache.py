@@ -4,7 +4,7 @@ import torch
 
 from engine.model_runner import ModelRunner
 from tests import helpers
-from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, random_head
+from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, random_head
 from train.batches import Row, target_batch
 from train.feature_cache import FeatureCache, cache_tag, rows_key
 

@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from engine.drafters.eagle import EagleDrafter
 from engine.model_runner import ModelRunner
 from tests import helpers
-from tests.engine.test_eagle import HIDDEN, LAYERS, VOCAB, random_head
+from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, random_head
 from train.ttt import TTTForward, ttt_loss
 
 

@@ -1,0 +1,90 @@
+"""Tiny EAGLE-3 heads and engines over tiny random Llamas, shared by the EAGLE-3 drafter's tests
+(tests/engine/test_eagle*.py, test_hybrid.py) and the training tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
+from engine.engine import SpecEngine
+from engine.k_control import FixedK
+from engine.sampling import SamplingParams
+from engine.sequence import SpecParams
+from tests import helpers
+
+VOCAB, HIDDEN, LAYERS = 16, 64, 4
+
+
+def random_head(
+    seed: int, vocab: int = VOCAB, draft_vocab: int = 12, layers: int = LAYERS, hidden=HIDDEN
+):
+    """A random EAGLE-3 head for a tiny Llama, sharpened so its guesses vary."""
+    cfg = HeadConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=hidden,
+        aux_layers=default_aux_layers(layers) if layers > 8 else (0, 1, layers - 1),
+        max_position_embeddings=512,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(cfg)
+        with torch.no_grad():
+            head.lm_head.weight.mul_(8.0)
+        head.set_vocab(torch.randperm(vocab)[:draft_vocab].sort().values)
+    return head
+
+
+def echo_head(target, draft_vocab: int = 12) -> Eagle3Head:
+    """A head that guesses the target's *current* token at each position (its layer muted, fc
+    passing the last tap through the target's own final norm and LM head, limited to the draft
+    vocabulary): right whenever the output repeats a token, so rounds accept some drafts and
+    reject others."""
+    head = random_head(0, vocab=target.config.vocab_size, draft_vocab=draft_vocab)
+    h = target.config.hidden_size
+    ids = head.draft_to_target
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * h :] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.zero_()
+        head.midlayer.mlp.down_proj.weight.zero_()
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight[ids])
+    return head
+
+
+def eagle_engine(target, head, slots=4, k=None, max_len=256) -> SpecEngine:
+    ctl = FixedK(k) if k is not None else None
+    return helpers.engine_for(target, "eagle3", slots, max_len=max_len, controller=ctl, head=head)
+
+
+def assert_greedy_ragged_equals_plain(engine, target, seed: int) -> None:
+    """Six ragged prompts decoded together through ``engine`` (K = 3) emit the plain engine's
+    greedy output for each alone; the head drafted and never faulted."""
+    g = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(6, seed=seed)
+    plain = helpers.engine_for(target, None, slots=4)
+    refs = [plain.generate([p], g)[0].output_ids for p in ps]
+    outs = engine.generate(ps, g, SpecParams(k=3))
+    assert [s.output_ids for s in outs] == refs
+    helpers.assert_speculated(outs, can_reject=False)
+    assert engine.drafter_failures == 0
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def draws(engine, prompt, n=4000, max_tokens=6, k=4, **sampling) -> list[list[int]]:
+    """The outputs of ``n`` seeded sampled requests of ``prompt`` at K = ``k``; speculation ran."""
+    params = [SamplingParams(max_tokens=max_tokens, seed=i, **sampling) for i in range(n)]
+    seqs = engine.generate([prompt] * n, params, SpecParams(k=k))
+    helpers.assert_speculated(seqs, min_drafted=n)
+    return [s.output_ids for s in seqs]
