@@ -23,6 +23,39 @@ MODEL = "SmolLM2-135M-Instruct"
 QUIET = {"port": 0, "log_level": "warning"}  # any free loopback port; uvicorn's warnings only
 
 
+# With ``-n 2`` (pytest-xdist, the README's test command): the tests that load the real model,
+# serve, or start processes of their own form one group on one worker; the rest, tiny models
+# on one torch thread, run beside them on the other. Two such heavy tests at once would put four
+# threads on two cores, where torch's thread team spins against itself.
+HEAVY_DIRS = ("server", "loadtest")
+HEAVY_FIXTURES = {"real_fp32", "built", "live", "live_default", "served", "target_greedy"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if (
+            item.get_closest_marker("real_model")
+            or (len(parts) > 2 and parts[0] == "tests" and parts[1] in HEAVY_DIRS)
+            or HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+        ):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
+@pytest.fixture(autouse=True)
+def one_thread_beside_the_heavy_group(request):
+    """Under xdist, a test outside the heavy group runs on one torch thread (above)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or request.node.get_closest_marker("xdist_group"):
+        yield
+        return
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_app(built, worker, **settings):
     """An app over ``worker`` (run elsewhere) with these settings, as ``specd serve`` builds it."""
     from server.app import create_app

@@ -65,7 +65,8 @@ def run_each(engine, prompts, k, on_step=None):
 
 
 def test_plain_engine_equals_transformers_generate(real_fp32, prompts, reference):
-    assert_same(run_each(real_engine(real_fp32, "none"), prompts, 0), reference)
+    """Half the prompts (the CI's time): every test below compares with the same reference."""
+    assert_same(run_each(real_engine(real_fp32, "none"), prompts[1::2], 0), reference[1::2])
 
 
 def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
@@ -109,11 +110,11 @@ def test_self_draft_accepts_everything(real_fp32, prompts, reference):
     rounds = []
     seqs = run_each(
         engine,
-        prompts,
+        prompts[::2],  # half (the CI's time): the ragged-batch test below runs them all
         k=3,
         on_step=lambda outs: rounds.extend(o for o in outs if o.stats is not None),
     )
-    assert_same(seqs, reference)
+    assert_same(seqs, reference[::2])
     drafted, accepted = helpers.assert_speculated(seqs, can_reject=False)
     assert drafted == accepted  # acceptance 1.0
     for o in rounds:  # K+1 tokens per target pass, except where max_tokens or EOS cut the round
@@ -203,6 +204,9 @@ def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method)
 def test_adaptive_k_is_lossless(real_fp32, prompts, reference, method, extra):
     """Adaptive K (the default controller, measured costs of this machine), batched: exact."""
     engine = real_engine(real_fp32, method, **extra)
+    # Probes every few rounds whatever this machine's costs say: the goodput rule may keep a
+    # costly drafter (self) plain throughout, and the test needs rounds of both kinds.
+    engine.controller.prober.budget = 1.0
     rounds = []
     seqs = engine.generate(
         prompts,

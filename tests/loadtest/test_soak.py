@@ -1,5 +1,5 @@
 """The soak, small: 16 streaming clients with random disconnects against `specd serve` in a child
-process (fp32, on a port it bound itself) for 25 s; zero unexpected errors, every completed output
+process (fp32, on a port it bound itself) for 15 s; zero unexpected errors, every completed output
 exactly its reference (every abandoned one a prefix of it), KV cache back to zero, RSS growth after
 warm-up under 5%. The full run: python -m loadtest.soak --duration 3600."""
 
@@ -17,8 +17,8 @@ def test_soak_small(monkeypatch):
         result = soak(
             url,
             clients=16,
-            duration=25,
-            warmup=8,
+            duration=15,
+            warmup=6,
             max_tokens=24,
             disconnect=0.25,
             prompts=6,

@@ -83,9 +83,10 @@ def served(request):
 
 
 def pytest_generate_tests(metafunc):
-    """``served`` runs every test that takes it on both servers."""
+    """``served`` runs every test that takes it on both servers, or on those its module names
+    in a ``SERVED`` list of its own."""
     if "served" in metafunc.fixturenames:
-        metafunc.parametrize("served", SERVED, indirect=True)
+        metafunc.parametrize("served", getattr(metafunc.module, "SERVED", SERVED), indirect=True)
 
 
 @pytest.fixture(autouse=True)

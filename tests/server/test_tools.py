@@ -1,7 +1,7 @@
 """Tool calling through the official client on the real model, for every tool_choice, streamed
 and not: calls come back as OpenAI's message.tool_calls / delta.tool_calls with arguments that
 validate against the tool's parameters; earlier calls and tool results round-trip in the
-history; inconsistent tool requests get a 400. On the fp32 server and on the default config's
+history; inconsistent tool requests get a 400. On the default config's server
 (bf16, 4-bit, compiled, EAGLE-3 head + n-gram: tests/server/conftest.py), with speculation
 forced (``speculation.k``) and checked from ``usage.speculation``; the streamed and the
 non-streamed response are compared in deterministic mode on the bf16 server (``served.exact``)."""
@@ -47,6 +47,9 @@ TIME = {
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 CHOICES = ["required", {"type": "function", "function": {"name": "get_time"}}, "auto", "none"]
+
+# the shipped server only (the CI's time): token-exact fp32 over HTTP is test_openai_client's
+SERVED = ["live_default"]
 
 
 SPEC = {"speculation": {"k": 3}}
