@@ -7,6 +7,7 @@ import random
 
 import torch
 
+from engine.drafters.eagle import EagleDrafter
 from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
 from engine.engine import SpecEngine
 from engine.k_control import FixedK
@@ -88,3 +89,24 @@ def draws(engine, prompt, n=4000, max_tokens=6, k=4, **sampling) -> list[list[in
     seqs = engine.generate([prompt] * n, params, SpecParams(k=k))
     helpers.assert_speculated(seqs, min_drafted=n)
     return [s.output_ids for s in seqs]
+
+
+def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed: int):
+    """``fn`` (eager or compiled head) on random inputs of this shape, rows in slots 0.. at
+    positions ``kv_len - q ..``; returns its outputs and the K written (cache restored)."""
+    g = torch.Generator().manual_seed(seed)
+    width = d.head.fc.in_features if ingest else d.head.config.hidden_size
+    x = torch.randn(rows, q, width, generator=g)
+    ids = torch.randint(0, VOCAB, (rows, q), generator=g)
+    pos = torch.arange(kv_len - q, kv_len).expand(rows, q).clone()
+    last = torch.randint(0, q, (rows,), generator=g)
+    slots = torch.arange(rows)
+    x, ids, pos, last, slots = (t.to(d.device) for t in (x, ids, pos, last, slots))
+    k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
+    kv = d.kv_idx[: kv_len + (-kv_len) % 16]
+    o, logits = fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slots,
+                   d.shape, ingest)  # fmt: skip
+    written = d.cache.k[0][:rows, :, kv_len - q : kv_len].clone()
+    d.cache.k[0].copy_(k0)
+    d.cache.v[0].copy_(v0)
+    return o, logits, written

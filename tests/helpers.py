@@ -191,3 +191,29 @@ def cuda_syncs(fn: Callable[[], object]) -> list[str]:
         finally:
             torch.cuda.set_sync_debug_mode(0)
     return sites
+
+
+class Paths:
+    """``runner``'s forwards from now on, by path: ``fast`` (its fast path's calls) and
+    ``eager`` (the eager stack's)."""
+
+    def __init__(self, runner: ModelRunner):
+        assert runner.fast is not None
+        self.runner, self.fast0, self.eager = runner, runner.fast.calls, 0
+        real = runner._eager
+
+        def eager(*args, **kwargs):
+            self.eager += 1
+            return real(*args, **kwargs)
+
+        runner._eager = eager  # type: ignore[method-assign]
+
+    @property
+    def fast(self) -> int:
+        assert self.runner.fast is not None, "the fast path was dropped"
+        return self.runner.fast.calls - self.fast0
+
+
+def long_prompts(ps, q_max):
+    """Prompts whose one-chunk prefill is longer than the largest q bucket (eager forwards)."""
+    return sum(len(p) > q_max for p in ps)

@@ -15,8 +15,14 @@ from engine.cuda_graphs import GraphForward, kv_buckets
 from engine.fast_forward import CompileConfig, attach, fast_mode
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from tests.engine.test_fast_forward import Paths, long_prompts
-from tests.helpers import TEST_DEVICE, assert_speculated, cuda_syncs, engine_for
+from tests.helpers import (
+    TEST_DEVICE,
+    Paths,
+    assert_speculated,
+    cuda_syncs,
+    engine_for,
+    long_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 on_cuda = pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="needs SPECD_TEST_DEVICE=cuda")

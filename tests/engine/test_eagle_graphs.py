@@ -20,11 +20,11 @@ from tests.eagle_builders import (
     HIDDEN,
     LAYERS,
     VOCAB,
+    call,
     eagle_engine,
     prompts,
     random_head,
 )
-from tests.engine.test_eagle_step import call
 
 KV_ALIGN = 16
 

@@ -17,6 +17,7 @@ from tests.eagle_builders import (
     LAYERS,
     VOCAB,
     assert_greedy_ragged_equals_plain,
+    call,
     eagle_engine,
     prompts,
     random_head,
@@ -37,27 +38,6 @@ def compiled(target):
     d.compile()
     d.warm_up()
     return engine, d
-
-
-def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed: int):
-    """``fn`` (eager or compiled head) on random inputs of this shape, rows in slots 0.. at
-    positions ``kv_len - q ..``; returns its outputs and the K written (cache restored)."""
-    g = torch.Generator().manual_seed(seed)
-    width = d.head.fc.in_features if ingest else d.head.config.hidden_size
-    x = torch.randn(rows, q, width, generator=g)
-    ids = torch.randint(0, VOCAB, (rows, q), generator=g)
-    pos = torch.arange(kv_len - q, kv_len).expand(rows, q).clone()
-    last = torch.randint(0, q, (rows,), generator=g)
-    slots = torch.arange(rows)
-    x, ids, pos, last, slots = (t.to(d.device) for t in (x, ids, pos, last, slots))
-    k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
-    kv = d.kv_idx[: kv_len + (-kv_len) % 16]
-    o, logits = fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slots,
-                   d.shape, ingest)  # fmt: skip
-    written = d.cache.k[0][:rows, :, kv_len - q : kv_len].clone()
-    d.cache.k[0].copy_(k0)
-    d.cache.v[0].copy_(v0)
-    return o, logits, written
 
 
 def test_compiled_head_equals_eager_for_every_key_and_new_shapes(compiled):

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from engine.fast_forward import CompileConfig, FastForward, _bucket, attach, default_buckets
-from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from engine.worker import EngineWorker, NotAcceptingError
-from tests.helpers import assert_speculated, engine_for
+from tests.helpers import Paths, assert_speculated, engine_for, long_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -33,32 +32,6 @@ def compiled_engine(models, drafter="layers", **cfg):
     for r in e.runners():
         attach(r, CompileConfig(enabled=True, **cfg), e.k_max)
     return e
-
-
-class Paths:
-    """``runner``'s forwards from now on, by path: ``fast`` (its fast path's calls) and
-    ``eager`` (the eager stack's)."""
-
-    def __init__(self, runner: ModelRunner):
-        assert runner.fast is not None
-        self.runner, self.fast0, self.eager = runner, runner.fast.calls, 0
-        real = runner._eager
-
-        def eager(*args, **kwargs):
-            self.eager += 1
-            return real(*args, **kwargs)
-
-        runner._eager = eager  # type: ignore[method-assign]
-
-    @property
-    def fast(self) -> int:
-        assert self.runner.fast is not None, "the fast path was dropped"
-        return self.runner.fast.calls - self.fast0
-
-
-def long_prompts(ps, q_max):
-    """Prompts whose one-chunk prefill is longer than the largest q bucket (eager forwards)."""
-    return sum(len(p) > q_max for p in ps)
 
 
 def test_buckets():

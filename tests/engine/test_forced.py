@@ -14,7 +14,7 @@ import torch
 from engine.forced import forced_run, with_forced
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
-from tests.engine.test_grammar import engine, text
+from tests.grammar_builders import engine, text
 
 llguidance = pytest.importorskip("llguidance")
 pytestmark = pytest.mark.usefixtures("single_thread")

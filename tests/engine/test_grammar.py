@@ -12,32 +12,19 @@ import torch
 
 from engine import round as round_module
 from engine.forced import forced_run
-from engine.grammar import GrammarCompiler, apply_grammar
+from engine.grammar import apply_grammar
 from engine.sampling import SamplingParams
 from engine.sequence import SpecParams
 from tests.distribution import assert_fits, exact_joint
 from tests.eagle_builders import random_head
-from tests.helpers import assert_speculated, engine_for, tiny_llama
+from tests.grammar_builders import engine, text
+from tests.helpers import assert_speculated, tiny_llama
 
 llguidance = pytest.importorskip("llguidance")
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 PATTERN = r"[ab]{2}c[ab]"
 PROMPT = [ord(c) for c in "abcab"]
-
-
-def engine(byte_models, byte_tok, drafter, slots=4, max_len=16, **kw):
-    grammars = GrammarCompiler(None, byte_tok.vocab_size)
-    grammars._tokenizer = byte_tok  # the tiny model speaks bytes
-    e = engine_for(
-        byte_models, drafter, slots=slots, chunk=10**6, max_len=max_len, max_prefill=slots, **kw
-    )
-    e.grammars = grammars
-    return e
-
-
-def text(ids: list[int]) -> str:
-    return bytes(ids).decode(errors="replace")
 
 
 GRAMMAR = llguidance.LLMatcher.grammar_from_regex(PATTERN)

@@ -7,7 +7,7 @@ import pytest
 
 from engine import k_probe
 from engine.k_probe import GRACE, PROBE_BACKOFF, Prober
-from tests.engine.test_k_control import controller, linear_cost, simulate
+from tests.kcontrol_sim import controller, linear_cost, simulate
 
 
 def gaps(prober: Prober, batch: int, probes: int, extra: float = 0.2) -> list[int]:

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from engine.engine import EngineLoad
 from engine.worker import EngineWorker
 from tests.conftest import make_app
-from tests.server.test_errors import CHAT, assert_error
+from tests.server.helpers import CHAT, assert_error
 
 pytestmark = pytest.mark.real_model  # the real tokenizer
 

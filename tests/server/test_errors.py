@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from engine.worker import EngineWorker, QueueFullError
 from tests.conftest import MODEL, idle, make_app, wait_until
-from tests.server.test_metrics import scrape, total
+from tests.server.helpers import CHAT, assert_error, scrape, total
 
 pytestmark = pytest.mark.real_model
 
@@ -18,19 +18,6 @@ pytestmark = pytest.mark.real_model
 def api(live, built):
     with TestClient(make_app(built, live.worker)) as c:
         yield c
-
-
-def assert_error(r, status, param=None):
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    assert "Traceback" not in r.text and "/work/" not in r.text
-    return err
-
-
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from server.settings import ServerSettings
 from tests.conftest import MODEL, QUIET, idle, make_app, serving, wait_until
-from tests.server.test_metrics import scrape, total
+from tests.server.helpers import scrape, total
 
 pytestmark = pytest.mark.real_model
 

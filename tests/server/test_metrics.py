@@ -16,28 +16,14 @@ import httpx
 import openai
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, make_app
+from tests.server.helpers import scrape, total
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specd.json"
-
-
-def scrape(text: str) -> dict:
-    """{(name, frozenset(labels)): value} of every sample (prometheus-client's own parser)."""
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def total(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
 
 
 def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):

@@ -12,7 +12,7 @@ import server.middleware as middleware_module
 import server.routes as routes_module
 from server.settings import ServerSettings
 from tests.conftest import MODEL, QUIET, make_app, serving
-from tests.server.test_errors import CHAT, assert_error
+from tests.server.helpers import CHAT, assert_error
 
 pytestmark = pytest.mark.real_model
 
@@ -153,7 +153,9 @@ def test_oversized_head_is_refused(strict):
 
 
 def test_keep_alive_connection_serves_requests_within_the_deadline(strict):
-    with httpx.Client(base_url=strict) as c:  # one connection, several requests
+    # one connection, several requests; the read timeout bounds a hang only (the first request
+    # to the live engine may wait for its start-up calibration)
+    with httpx.Client(base_url=strict, timeout=httpx.Timeout(5.0, read=600.0)) as c:
         for _ in range(3):
             assert c.get("/health").status_code == 200
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})

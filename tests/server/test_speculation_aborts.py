@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import MODEL, idle, wait_until
 from tests.helpers import assert_speculated
-from tests.server.test_metrics import scrape, total
+from tests.server.helpers import scrape, total
 
 pytestmark = pytest.mark.real_model
 
