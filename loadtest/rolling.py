@@ -8,7 +8,7 @@ way a Kubernetes rollout with ``maxUnavailable: 0`` replaces pods.
 It passes (exit 0) when no request failed or was cut (each stream ended with a finish_reason and
 ``[DONE]``, loadtest/replica.py reads it byte for byte) and every output equals the reference:
 the same prompt answered by one replica alone before the load. The replicas run in fp32, where
-greedy output does not depend on the batch (README "What holds in which dtype").
+greedy output does not depend on the batch (docs/speculation.md, "What holds in which dtype").
 
 The gateway's part: it stops sending to a replica once ``/ready`` answers 503 (checked every
 ``CHECK_MS``), and a request that reached a replica just as it began to drain (503, answered

@@ -29,13 +29,13 @@ fi
 # the engine tests that take a device, in two groups: the quick ones, then those that compile
 # with inductor on the GPU (cold cache: tens of seconds each). SIGINT at the time limit, so that
 # pytest still prints its summary of failures.
-QUICK="tests/engine/test_cuda_graphs.py tests/engine/test_round.py tests/engine/test_spec_coverage.py
-  tests/engine/test_model_runner.py tests/engine/test_kv_cache.py tests/engine/test_rejection.py
-  tests/engine/test_sampling.py tests/engine/test_penalties.py tests/engine/test_forced.py
-  tests/engine/test_eagle.py tests/engine/test_eagle_graphs.py tests/engine/test_hybrid.py
-  tests/engine/test_engine_stops.py
-  tests/engine/test_worker.py tests/engine/test_transfer.py tests/engine/test_prefill.py"
-COMPILING="tests/engine/test_eagle_step.py tests/engine/test_fast_forward.py"
+QUICK="tests/engine/model/test_cuda_graphs.py tests/engine/round/test_round.py tests/engine/round/test_spec_coverage.py
+  tests/engine/model/test_model_runner.py tests/engine/model/test_kv_cache.py tests/engine/round/test_rejection.py
+  tests/engine/round/test_sampling.py tests/engine/round/test_penalties.py tests/engine/round/test_forced.py
+  tests/engine/drafters/eagle/test_eagle.py tests/engine/drafters/eagle/test_eagle_graphs.py tests/engine/drafters/test_hybrid.py
+  tests/engine/requests/test_engine_stops.py
+  tests/engine/worker/test_worker.py tests/engine/round/test_transfer.py tests/engine/requests/test_prefill.py"
+COMPILING="tests/engine/drafters/eagle/test_eagle_step.py tests/engine/model/test_fast_forward.py"
 pytest_cuda() {  # name, time limit, pytest arguments...
   local name=$1 limit=$2; shift 2
   SPECD_TEST_DEVICE=cuda timeout -s INT -k 15 "$limit" python3 -m pytest -q -rfE --tb=short \

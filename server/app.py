@@ -18,8 +18,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.grammar import GrammarCompiler
-from engine.worker import EngineWorker
+from engine.round.grammar import GrammarCompiler
+from engine.worker.worker import EngineWorker
 
 from . import protocol as P
 from .convert import EngineCapacity, check_model

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from engine.worker import EngineWorker
+from engine.worker.worker import EngineWorker
 
 from .app import create_app
 from .convert import EngineCapacity

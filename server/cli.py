@@ -139,7 +139,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from engine.loader import prepare
+    from engine.model.loader import prepare
 
     cfg = _config(args)
     print(prepare(cfg.model.source, cfg.cache_dir))
@@ -155,8 +155,8 @@ def cmd_prepare(args) -> int:
 
 def cmd_generate(args) -> int:
     from engine.builder import build_engine
-    from engine.sampling import SamplingParams
-    from engine.sequence import SpecParams
+    from engine.requests.sequence import SpecParams
+    from engine.round.sampling import SamplingParams
 
     cfg = _config(args)
     built = build_engine(cfg)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from engine.grammar import GrammarCompiler
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
+from engine.round.grammar import GrammarCompiler
+from engine.round.sampling import SamplingParams
 
 from .errors import APIError, bad
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling

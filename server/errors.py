@@ -4,8 +4,8 @@ mapping from engine / worker exceptions to API errors.
 Every error specd answers, as a response or as a stream's error event, is
 ``{"error": {"message", "type", "param", "code"}}`` built by :func:`error_body`. Its text never
 holds a stack trace, a file path or an exception's own text unless that exception is one of the
-worker's (:mod:`engine.worker`), whose messages are written for clients; anything else answers
-``500 internal server error`` and its detail goes to the log.
+worker's (:mod:`engine.worker.worker`), whose messages are written for clients; anything else
+answers ``500 internal server error`` and its detail goes to the log.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.worker import DrainTimeoutError, EngineError, NotAcceptingError, QueueFullError
+from engine.worker.worker import DrainTimeoutError, EngineError, NotAcceptingError, QueueFullError
 
 log = logging.getLogger("specd.server")
 

@@ -1,7 +1,7 @@
 """Runs the choices of one HTTP request through the engine worker and turns engine outputs into
 text events: incremental detokenization, stop strings, logprobs, usage counts.
 
-Every choice is submitted under the request's one :class:`~engine.worker.Reservation` (its
+Every choice is submitted under the request's one :class:`~engine.worker.worker.Reservation` (its
 admission); leaving :meth:`JobRun.events` early, however it happens, aborts every choice still
 running in the engine."""
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.engine import StepOutput
-from engine.worker import EngineError, EngineWorker, Reservation
+from engine.worker.worker import EngineError, EngineWorker, Reservation
 
 from .convert import Job
 from .metrics import Metrics

@@ -9,7 +9,7 @@ Speculation (the terms are rejection.py's):
   specd_draft_tokens_total, specd_accepted_tokens_total
       acceptance rate = rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])
   specd_forced_tokens_total
-      tokens a grammar forced, drafted for free (engine/forced.py) and kept
+      tokens a grammar forced, drafted for free (engine/round/forced.py) and kept
   specd_draft_tokens_by_position_total{position}, specd_accepted_tokens_by_position_total{position}
       acceptance at draft position j = rate(accepted{position="j"}) / rate(draft{position="j"})
   specd_target_passes_total           target forwards per sequence (prefill pass included)

@@ -89,7 +89,9 @@ class _Sampling(_Req):
     ignore_eos: bool = False  # extension (vLLM's): the end-of-sequence token does not stop it
     user: str | None = None
     speculation: SpeculationOptions | None = None
-    deterministic: bool | None = None  # extension: batch-invariant forwards (engine/invariant.py)
+    deterministic: bool | None = (
+        None  # extension: batch-invariant forwards (engine/model/invariant.py)
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

@@ -1,8 +1,8 @@
 """The generation routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``.
 
 Each request, in order: the model name is checked, the request is converted (server/convert.py,
-400s), then admitted: :meth:`~engine.worker.EngineWorker.reserve` takes room for all its choices
-at once, before any byte of the response, or refuses (429 with Retry-After when the queue is
+400s), then admitted: :meth:`~engine.worker.worker.EngineWorker.reserve` takes room for all its
+choices at once, before any byte of the response, or refuses (429 with Retry-After when the queue is
 full, 503 when the engine is not ready). A streamed answer holds that room until the stream ends
 (server/responses.py); a plain one until its JSON is built. A client that disconnects aborts its
 choices in the engine.
@@ -18,8 +18,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from engine.grammar import GrammarCompiler
-from engine.worker import EngineWorker
+from engine.round.grammar import GrammarCompiler
+from engine.worker.worker import EngineWorker
 
 from . import protocol as P
 from .convert import EngineCapacity, Job, chat_job, check_model, completion_job

@@ -1,6 +1,6 @@
 """Structured outputs: the request's ``response_format`` (OpenAI's) or ``structured_outputs``
-(the vLLM-style extension) as one llguidance grammar for the engine (engine/grammar.py), checked
-against the tokenizer before admission (a grammar that cannot compile answers 400).
+(the vLLM-style extension) as one llguidance grammar for the engine (engine/round/grammar.py),
+checked against the tokenizer before admission (a grammar that cannot compile answers 400).
 
 JSON is generated compact (no free whitespace between tokens): a small model given the freedom
 spends tokens on spaces and newlines. ``json_object`` is any JSON object.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from engine.grammar import GrammarCompiler
+from engine.round.grammar import GrammarCompiler
 
 from .errors import bad
 from .protocol import _Sampling

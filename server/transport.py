@@ -7,7 +7,7 @@
   ``stream_send_timeout_s`` seconds (the transport's write buffer stayed above its high-water
   mark) is dropped. The app sees an ordinary disconnect: a stream's request is aborted in the
   engine and its buffer freed, and nothing is logged as an error. Until then a stalled reader
-  costs the engine nothing (engine/channel.py bounds each request's buffer).
+  costs the engine nothing (engine/worker/channel.py bounds each request's buffer).
 
 Body size and body time are server/middleware.py's. :func:`uvicorn_config` puts it together with a
 short keep-alive.

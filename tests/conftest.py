@@ -98,7 +98,7 @@ def serving(app, settings: ServerSettings | None = None, sndbuf: int | None = No
 def real_fp32():
     """The real SmolLM2-135M in fp32 (exact-equality tests run in fp32), converted once per
     machine into the specd cache and loaded once per test run."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(REAL_SPEC, "float32")
 

@@ -7,12 +7,12 @@ import random
 
 import torch
 
-from engine.drafters.eagle import EagleDrafter
-from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.drafters.eagle.head import Eagle3Head, HeadConfig, default_aux_layers
 from engine.engine import SpecEngine
-from engine.k_control import FixedK
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.kcontrol.controller import FixedK
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from tests import helpers
 
 VOCAB, HIDDEN, LAYERS = 16, 64, 4

@@ -1,9 +1,9 @@
 """Grammar tests' engines: tiny models that speak bytes, with llguidance's byte tokenizer
-(tests/engine/test_grammar.py, test_forced.py)."""
+(tests/engine/round/test_grammar.py, test_forced.py)."""
 
 from __future__ import annotations
 
-from engine.grammar import GrammarCompiler
+from engine.round.grammar import GrammarCompiler
 from tests.helpers import engine_for
 
 

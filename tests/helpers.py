@@ -14,7 +14,7 @@ import torch
 from engine.builder import make_drafter, make_engine
 from engine.config import EngineConfig
 from engine.engine import SpecEngine
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 
 # the device the tiny models are built on (``SPECD_TEST_DEVICE=cuda pytest ...`` runs the engine
 # tests that take a device on a GPU; the default, CPU, is what CI runs)

@@ -1,14 +1,14 @@
 """The K controller on a synthetic machine: round costs from a formula, acceptance streams from
-a coin (tests/engine/test_k_control.py, test_k_probe.py)."""
+a coin (tests/engine/kcontrol/test_k_control.py, test_k_probe.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.k_control import AdaptiveK
-from engine.round_cost import RoundCost
-from engine.sampling import SamplingParams
-from engine.sequence import RoundStats, Sequence, SpecParams
+from engine.kcontrol.controller import AdaptiveK
+from engine.kcontrol.cost import RoundCost
+from engine.requests.sequence import RoundStats, Sequence, SpecParams
+from engine.round.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10**6)
 

@@ -71,9 +71,9 @@ def held_out(args: argparse.Namespace, arms: list[argparse.Namespace]):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from engine.config import DEFAULT_TARGET
-    from engine.eagle_head import load_head
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.drafters.eagle.head import load_head
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
 
     from .batches import batches, read_rows
     from .feature_cache import FeatureCache, cache_tag

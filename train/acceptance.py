@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 
 from .batches import Row, batches, to_batch
 from .feature_cache import FeatureCache

@@ -3,7 +3,7 @@
 A record (train/distill.py) is a prompt and the target's own answer. A training row is
 ``prompt + output`` cut at ``max_len`` tokens; the loss counts positions whose next token is an
 output token. Rows are grouped by length into batches of at most ``tokens`` tokens (less
-padding). The target (a :class:`~engine.model_runner.ModelRunner`, as served) computes every
+padding). The target (a :class:`~engine.model.runner.ModelRunner`, as served) computes every
 row's tapped features and its final hidden states in one prefill-shaped forward, without
 committing anything to its cache.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 
 
 @dataclass

@@ -83,8 +83,8 @@ def run(args: argparse.Namespace) -> None:
 
     from engine.builder import build_engine
     from engine.config import EngineConfig
-    from engine.sampling import SamplingParams
-    from engine.sequence import SpecParams
+    from engine.requests.sequence import SpecParams
+    from engine.round.sampling import SamplingParams
     from loadtest.datasets import Prompt, encode
 
     out = Path(args.out)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 
 from .batches import Batch, Features, Row, target_features, to_batch
 

@@ -22,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers, load_head, save_head
+from engine.drafters.eagle.head import (
+    Eagle3Head,
+    HeadConfig,
+    default_aux_layers,
+    load_head,
+    save_head,
+)
 
 from .acceptance import acceptance_by_step
 from .batches import Row, batches, draft_coverage, draft_vocab, read_rows
@@ -77,9 +83,9 @@ def run(args: argparse.Namespace) -> None:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from engine.config import DEFAULT_TARGET
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
-    from engine.quant import use_native_q4
+    from engine.model.loader import load_model
+    from engine.model.quant import use_native_q4
+    from engine.model.runner import ModelRunner
 
     if args.threads:
         torch.set_num_threads(args.threads)

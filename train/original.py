@@ -14,7 +14,7 @@ from .data import first_exchanges
 
 def run(args: argparse.Namespace) -> None:
     from engine.config import DEFAULT_TARGET
-    from engine.loader import load_model
+    from engine.model.loader import load_model
     from loadtest.datasets import Prompt, encode
 
     _, tok = load_model(DEFAULT_TARGET, "bfloat16")

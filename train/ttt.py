@@ -11,8 +11,8 @@ computes at inference when p is the last position the head took in from real fea
     positions <= p and the keys of steps 1..j at index p (the chain it drafted): its guess of
     t_{p+2+j}.
 
-The step-0 output equals the inference path's (engine/drafters/eagle.py; a test checks it), and
-the attention is the same softmax over [causal step-0 keys, the chain's own keys] that the
+The step-0 output equals the inference path's (engine/drafters/eagle/drafter.py; a test checks it),
+and the attention is the same softmax over [causal step-0 keys, the chain's own keys] that the
 inference cache holds. Losses (EAGLE-3's): soft cross-entropy against the target's distribution
 over the draft vocabulary at the predicted position, weighted 0.8^j for step j, counted where
 the predicted token is an output token and the target's top token is in the draft vocabulary.
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from engine.eagle_head import Eagle3Head
-from engine.layer import rms_norm
+from engine.drafters.eagle.head import Eagle3Head
+from engine.model.layer import rms_norm
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

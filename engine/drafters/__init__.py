@@ -1,5 +1,5 @@
-from .base import Drafter, Proposal
-from .model import ModelDrafter, TokenizerMismatchError
-from .ngram import NgramDrafter
+from engine.drafters.base import Drafter, Proposal
+from engine.drafters.model import ModelDrafter, TokenizerMismatchError
+from engine.drafters.ngram import NgramDrafter
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "Proposal", "TokenizerMismatchError"]

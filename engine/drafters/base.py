@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..sequence import Sequence
+from engine.requests.sequence import Sequence
 
 if TYPE_CHECKING:
-    from ..model_runner import ModelRunner
-    from ..plan import RoundPlan
+    from engine.model.runner import ModelRunner
+    from engine.round.plan import RoundPlan
 
 
 @dataclass

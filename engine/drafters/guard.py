@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import torch
 
-from ..plan import RoundPlan
-from ..sequence import Sequence, SpecParams
-from .base import Drafter, Proposal
+from engine.drafters.base import Drafter, Proposal
+from engine.requests.sequence import Sequence, SpecParams
+from engine.round.plan import RoundPlan
 
 log = logging.getLogger("specd.engine")
 T = TypeVar("T")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..forced import with_forced
-from ..plan import RoundPlan
-from ..sequence import Sequence
-from .base import DrafterBase, Proposal
-from .eagle import EagleDrafter
-from .ngram import grammar_prefix, ngram_match
+from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.drafters.ngram import grammar_prefix, ngram_match
+from engine.requests.sequence import Sequence
+from engine.round.forced import with_forced
+from engine.round.plan import RoundPlan
 
 
 class HybridDrafter(DrafterBase):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..grammar import DraftGrammar
-from ..model_runner import ModelRunner
-from ..plan import RoundPlan
-from ..sampling import logits_to_probs
-from ..sequence import Sequence
-from ..transfer import to_device
-from .base import DrafterBase, Proposal
+from engine.drafters.base import DrafterBase, Proposal
+from engine.model.runner import ModelRunner
+from engine.requests.sequence import Sequence
+from engine.round.grammar import DraftGrammar
+from engine.round.plan import RoundPlan
+from engine.round.sampling import logits_to_probs
+from engine.transfer import to_device
 
 ADD_TOKENS = 2048  # the most padded prompt tokens one admission forward of the draft model takes
 

@@ -7,10 +7,10 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ..plan import RoundPlan
-from ..sequence import Sequence
-from ..transfer import to_device
-from .base import DrafterBase, Proposal
+from engine.drafters.base import DrafterBase, Proposal
+from engine.requests.sequence import Sequence
+from engine.round.plan import RoundPlan
+from engine.transfer import to_device
 
 
 def ngram_lookup(tokens: np.ndarray, k: int, min_n: int = 1, max_n: int = 3) -> list[int]:

@@ -11,6 +11,6 @@ Each runs as ``python -m loadtest.bench.<name>`` (``--help`` for its options):
 * ``servers``: specd against llama.cpp and ``transformers serve`` on the same machine;
 * ``compare_guidellm``: ``python -m loadtest`` cross-checked against GuideLLM on one specd.
 
-Every forward or generation they time goes through :mod:`engine.timing` (device synchronised
-before and after); a server they start goes through :mod:`loadtest.server_proc`.
+Every forward or generation they time goes through :mod:`engine.kcontrol.timing` (device
+synchronised before and after); a server they start goes through :mod:`loadtest.server_proc`.
 """

@@ -1,6 +1,6 @@
 """Grouped-query attention on CPU: torch's SDPA with ``enable_gqa`` against the same attention run
-as multi-head attention over each KV head's query heads as rows (``engine.layer.grouped_sdpa``,
-which the decoder layer runs on CPU below float32).
+as multi-head attention over each KV head's query heads as rows
+(``engine.model.layer.grouped_sdpa``, which the decoder layer runs on CPU below float32).
 
 With ``enable_gqa``, queries ``[B, heads, q, hd]`` attend to keys ``[B, kv_heads, L, hd]``; query
 head ``h`` reads KV head ``h // group``. Grouped: queries reshaped to ``[B, kv_heads, group*q, hd]``
@@ -21,12 +21,13 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from engine.layer import grouped_sdpa
-from engine.timing import time_calls
+from engine.kcontrol.timing import time_calls
+from engine.model.layer import grouped_sdpa
 
 
 def per_call_us(fn, calls: int) -> float:
-    """Median microseconds of ``calls`` timed calls (engine/timing.py), after a tenth as many."""
+    """Median microseconds of ``calls`` timed calls (engine/kcontrol/timing.py), after a tenth as
+    many."""
     return statistics.median(time_calls(fn, "cpu", calls, warmup=max(3, calls // 10))) * 1e6
 
 

@@ -22,7 +22,7 @@ from loadtest.bench import attn_op
 
 
 def attend(qs, keys, vals, mask, scale) -> torch.Tensor:
-    """``engine.layer.grouped_sdpa``'s contract on the kernel at any width: qs ``[B, heads, q,
+    """``engine.model.layer.grouped_sdpa``'s contract on the kernel at any width: qs ``[B, heads, q,
     hd]``, keys / vals ``[B, kv_heads, L, hd]``, a bool mask ``[B, 1, q or group * q, L]``."""
     B, nh, q, hd = qs.shape
     kvh = keys.shape[1]
@@ -42,8 +42,8 @@ def case(B: int, q: int, ctx: int, L: int, heads=9, kv_heads=3, hd=64, seed=0):
 
 
 def standalone(shapes, calls: int) -> None:
-    from engine.layer import grouped_sdpa
-    from engine.timing import time_calls
+    from engine.kcontrol.timing import time_calls
+    from engine.model.layer import grouped_sdpa
 
     print("standalone, per call: specd_attn::attend against grouped SDPA (eager), 9 / 3 heads")
     for B, q, ctx in shapes:
@@ -64,12 +64,12 @@ def standalone(shapes, calls: int) -> None:
 
 
 def in_graph(config: str, shapes, reps: int) -> None:
-    from engine import layer
     from engine.config import CompileConfig, EngineConfig
-    from engine.fast_forward import make_fast
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
-    from engine.quant import use_native_q4
+    from engine.model import layer
+    from engine.model.fast_path import make_fast
+    from engine.model.loader import load_model
+    from engine.model.quant import use_native_q4
+    from engine.model.runner import ModelRunner
     from loadtest.bench.steps import time_forward
 
     cfg = EngineConfig.from_yaml(config)

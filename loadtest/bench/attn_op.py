@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.q4_matmul import build_extension, probe_kernel
+from engine.model.q4_matmul import build_extension, probe_kernel
 
 log = logging.getLogger("specd.bench.attention")
 _SRC = Path(__file__).with_name("csrc") / "attn_avx512.cpp"
@@ -47,7 +47,7 @@ def available() -> bool:
 
 
 def load() -> None:
-    """Build and load the op (engine/q4_matmul.py's :func:`build_extension`), once."""
+    """Build and load the op (engine/model/q4_matmul.py's :func:`build_extension`), once."""
     if hasattr(torch.ops.specd_attn, "attend"):
         return
     build_extension("specd_attn_avx512", _SRC, _FLAGS)

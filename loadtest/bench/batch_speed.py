@@ -20,8 +20,8 @@ import time
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, mixed
 
 

@@ -118,7 +118,7 @@ def write_prompts(args, path: Path) -> int:
 
 def default_tokenizer(config: str) -> str:
     from engine.config import EngineConfig
-    from engine.loader import prepare
+    from engine.model.loader import prepare
 
     cfg = EngineConfig.from_yaml(config)
     return str(prepare(cfg.model.source, cfg.cache_dir, progress=False))

@@ -1,5 +1,5 @@
 """Deterministic mode (issue 19): how often the default forward changes output, and what the
-batch-invariant forward (engine/invariant.py) costs, in-process on one engine built from
+batch-invariant forward (engine/model/invariant.py) costs, in-process on one engine built from
 ``--config`` with ``deterministic: request``, so each request picks its mode over the same
 weights. For each mode, default and deterministic:
 
@@ -24,8 +24,8 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, human_eval, mt_bench
 
 MODES = ("default", "deterministic")

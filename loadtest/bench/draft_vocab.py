@@ -6,7 +6,7 @@ others are compared with), bounds acceptance: a token outside it is never drafte
 the share of the held-out answers' tokens inside it (their *coverage*, counted on the ``e``
 bucket's self-distilled answers, the greedy ones separately: there every output token is the
 target's top token) is a ceiling on the head's top-1 agreement. Its cost is the LM head's rows:
-one 4-bit matmul ``[1, hidden] x [N, hidden]`` per draft step (engine/drafters/eagle_q4.py, as
+one 4-bit matmul ``[1, hidden] x [N, hidden]`` per draft step (engine/drafters/eagle/q4.py, as
 served), timed here beside the base's in the same run, at ``ids`` rows: the vocabulary's actual
 size (at most the distinct tokens of the training answers).
 
@@ -32,9 +32,9 @@ SIZES = (2048, 4096, 8192, 16384, 32768)
 def lm_head_ms(rows: int, hidden: int, tokens: int = 1, seed: int = 0) -> float:
     """Median time of the head's 4-bit LM-head matmul, ``tokens`` x ``[rows, hidden]`` (rows
     rounded up to a multiple of 32, as the 4-bit packing needs)."""
-    from engine.drafters.eagle_q4 import quantize
-    from engine.q4_matmul import q4_linear
-    from engine.timing import time_calls
+    from engine.drafters.eagle.q4 import quantize
+    from engine.kcontrol.timing import time_calls
+    from engine.model.q4_matmul import q4_linear
 
     rows = -(-rows // 32) * 32
     g = torch.Generator().manual_seed(seed)
@@ -52,7 +52,7 @@ def k1_speed(agreement: float, coverage: float, base_coverage: float, extra_ms: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.eagle_head import load_head
+    from engine.drafters.eagle.head import load_head
     from train.batches import draft_coverage, draft_vocab, read_rows
 
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench.draft_vocab", description=__doc__)

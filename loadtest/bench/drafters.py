@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from engine.config import EngineConfig
-from engine.loader import resolve_source
+from engine.model.loader import resolve_source
 from loadtest import cli
 from loadtest.bench.servers import mix_file
 from loadtest.server_proc import HOST, spawn, specd_server

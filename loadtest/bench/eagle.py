@@ -9,8 +9,8 @@ category, HumanEval, the ShareGPT ``e`` bucket):
     first i drafts were all accepted;
 
 and the cost of one draft step (the head's chained step, batch 1) as a fraction of a target
-decode step (batch 1), both timed by engine/timing.py after warm-up (the target eager, or as
-the config compiles it with ``--compiled``).
+decode step (batch 1), both timed by engine/kcontrol/timing.py after warm-up (the target eager, or
+as the config compiles it with ``--compiled``).
 
     python -m loadtest.bench.eagle --head models/smollm2-135m-eagle3 --ks 1,2,3,4,5,6,7
 """
@@ -26,10 +26,10 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.drafters.eagle import EagleDrafter
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
-from engine.timing import time_call
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.kcontrol.timing import time_call
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import Prompt, encode, human_eval, mt_bench
 
 

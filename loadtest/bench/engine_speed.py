@@ -2,9 +2,9 @@
 
 For each drafter, prints tok/s of plain decoding (same engine, K=0), speculation at fixed K in
 1..8, with K chosen per round by transformers' +2/-1 heuristic schedule and by specd's adaptive
-goodput controller (engine/k_control.py), and transformers' own generate() plain and with prompt
-lookup, all measured in the same run, interleaved prompt by prompt so machine noise hits every
-configuration alike; plus speedup over our plain decoding, acceptance rate and mean tokens per
+goodput controller (engine/kcontrol/controller.py), and transformers' own generate() plain and with
+prompt lookup, all measured in the same run, interleaved prompt by prompt so machine noise hits
+every configuration alike; plus speedup over our plain decoding, acceptance rate and mean tokens per
 target pass, and the adaptive controller's ratios to plain and to the best fixed K in hindsight.
 
     python -m loadtest.bench.engine_speed --per-category 2 --max-tokens 96 --drafters ngram
@@ -23,10 +23,10 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
-from engine.timing import time_call
+from engine.kcontrol.timing import time_call
+from engine.model.loader import load_model
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, mixed
 
 DRAFTERS = {
@@ -110,7 +110,8 @@ def main(argv=None):
     device = base.model.device
 
     def run(kind, k, ids):
-        """(tokens, seconds, drafted, accepted, target passes) of one prompt (engine.timing)."""
+        """(tokens, seconds, drafted, accepted, target passes) of one prompt
+        (engine.kcontrol.timing)."""
         out: list = []
         if kind in ("hf", "hf-pl"):
             kw = {"prompt_lookup_num_tokens": k} if kind == "hf-pl" else {}

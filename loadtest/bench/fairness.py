@@ -3,7 +3,8 @@
 The big request is issue 17's case: 8 prompts x ``n = 8`` choices (64 sequences), 300 tokens each,
 on a server with 16 slots. Once it has been running ``--head-start`` seconds a one-line request
 (greedy, 16 tokens) is sent; its latency is printed next to the same request on the idle server
-(the scheduler caps what one request holds: engine/scheduler.py, ``max_slots_per_request``).
+(the scheduler caps what one request holds: engine/requests/scheduler.py,
+``max_slots_per_request``).
 
     python -m loadtest.bench.fairness --config configs/default.yaml
 """

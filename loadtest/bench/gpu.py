@@ -23,15 +23,15 @@ import numpy as np
 import torch
 
 from engine.drafters import ModelDrafter
-from engine.drafters.eagle import EagleDrafter
+from engine.drafters.eagle.drafter import EagleDrafter
 from engine.engine import SpecEngine
-from engine.fast_forward import attach, warm_up
-from engine.k_control import FixedK
-from engine.model_runner import ModelRunner
-from engine.rejection import rejection_sample
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
-from engine.timing import time_call, time_calls
+from engine.kcontrol.controller import FixedK
+from engine.kcontrol.timing import time_call, time_calls
+from engine.model.fast_path import attach, warm_up
+from engine.model.runner import ModelRunner
+from engine.requests.sequence import SpecParams
+from engine.round.rejection import rejection_sample
+from engine.round.sampling import SamplingParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.steps import random_model, time_forward
 from loadtest.bench.synthetic import bound, synthetic_accept
@@ -210,7 +210,7 @@ class Bench:
             step = lambda: d._chain(tok, o, [0], [ctx])[1].argmax(-1)  # noqa: E731
             k["eagle_eager_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
             if self.a.compile != "none":  # as the builder: the head's CUDA graphs, every bucket
-                d.compile(capture_kv_align=64)  # (engine/drafters/eagle_graphs.py)
+                d.compile(capture_kv_align=64)  # (engine/drafters/eagle/graphs.py)
                 k["eagle_capture_s"] = time_call(d.warm_up, dev)
             k["eagle_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
             fwd = lambda: t.forward(tok[:, None], [0], [1])  # noqa: E731
@@ -237,7 +237,7 @@ class Bench:
         while eng.has_work():
             t, outs = time.perf_counter(), eng.step()
             now, st = time.perf_counter(), next((o.stats for o in outs if o.stats), None)
-            if st is not None:  # a round's phases (CUDA events on a GPU: engine/timing.py)
+            if st is not None:  # a round's phases (CUDA events on a GPU: engine/kcontrol/timing.py)
                 ph += [1, now - t, st.draft_s, st.verify_s, st.accept_s]
             for o in outs:
                 n = len(o.new_token_ids)

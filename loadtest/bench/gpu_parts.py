@@ -10,10 +10,10 @@ import torch
 
 from engine.builder import make_controller
 from engine.config import DrafterConfig
-from engine.eagle_head import Eagle3Head, HeadConfig, default_aux_layers
+from engine.drafters.eagle.head import Eagle3Head, HeadConfig, default_aux_layers
 from engine.engine import SpecEngine
-from engine.fast_forward import CompileConfig
-from engine.timing import time_calls
+from engine.kcontrol.timing import time_calls
+from engine.model.compiled import CompileConfig
 from loadtest.bench.steps import SHAPES, in_dtype
 from loadtest.bench.synthetic import synthetic_accept
 

@@ -1,4 +1,5 @@
-"""Prompts of a step prefilled together or one forward each (engine/prefill.py), side by side.
+"""Prompts of a step prefilled together or one forward each (engine/requests/prefill.py), side by
+side.
 
 The engine groups a step's prompt chunks on CUDA only (``SpecEngine.group_prefill``); this bench
 runs both ways on any device. Batches of requests admitted together (4 prefill a step), stepped
@@ -16,7 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.gpu import K_MAX, PLAIN, Bench
 

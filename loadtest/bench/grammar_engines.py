@@ -21,7 +21,7 @@ import transformers
 import xgrammar as xgr  # type: ignore[import-not-found]
 
 from engine.config import EngineConfig
-from engine.loader import prepare
+from engine.model.loader import prepare
 from loadtest.bench.structured import SCHEMAS
 from server.structured import _json
 

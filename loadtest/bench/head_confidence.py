@@ -32,9 +32,9 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.drafters.eagle import EagleDrafter
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.bench.k_modes import orders
 from loadtest.datasets import encode, mixed
 

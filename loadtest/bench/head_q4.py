@@ -3,7 +3,7 @@
 The held-out top-1 agreement with the target at each of the fit's draft steps
 (train/acceptance.py's ``acceptance_by_step``, greedy, teacher-forced, on the ``e`` bucket's rows
 of ``.cache/distill/eval.jsonl``) for the head as stored and with the matrices rounded as
-engine/drafters/eagle_q4.py rounds them:
+engine/drafters/eagle/q4.py rounds them:
 all of them, the layer's and ``fc`` only, the LM head only.
 
     python -m loadtest.bench.head_q4 --head models/smollm2-135m-eagle3
@@ -18,8 +18,8 @@ import torch
 
 
 def rounded(w: torch.Tensor) -> torch.Tensor:
-    """``w`` ``[out, in]`` as its 4-bit form computes (engine/drafters/eagle_q4.py)."""
-    from engine.drafters.eagle_q4 import dequantize, quantize
+    """``w`` ``[out, in]`` as its 4-bit form computes (engine/drafters/eagle/q4.py)."""
+    from engine.drafters.eagle.q4 import dequantize, quantize
 
     return dequantize(quantize(w, torch.bfloat16))
 
@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from engine.config import DEFAULT_TARGET
-    from engine.eagle_head import load_head
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
+    from engine.drafters.eagle.head import load_head
+    from engine.model.loader import load_model
+    from engine.model.runner import ModelRunner
     from train.acceptance import acceptance_by_step
     from train.batches import read_rows
     from train.feature_cache import FeatureCache, cache_tag

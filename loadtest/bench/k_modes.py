@@ -19,11 +19,11 @@ import json
 import os
 import time
 
-from engine import k_state
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.kcontrol import state as k_state
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, mixed
 
 

@@ -1,8 +1,8 @@
 """The target's compiled step with specd's 4-bit kernel against torch's int4 kernel, side by side.
 
 Two runners over one SmolLM2 model (the config's GGUF), their Q4_1 layers and Q8_0 head packed
-once for specd's kernel (engine/csrc/q4_avx512.cpp) and once for torch's
-``_weight_int4pack_mm_for_cpu`` (engine/q4_matmul.py), each compiled as the default config
+once for specd's kernel (engine/model/csrc/q4_avx512.cpp) and once for torch's
+``_weight_int4pack_mm_for_cpu`` (engine/model/q4_matmul.py), each compiled as the default config
 compiles (groups of 6 layers), caches filled with the same ``--context`` tokens. Forwards of
 ``q`` tokens in ``b`` rows alternate between the two ``--rounds`` times; the table prints median
 milliseconds, the ratio torch / specd, and each kernel's cost of a verify relative to its decode
@@ -21,11 +21,12 @@ import statistics
 import torch
 
 from engine.config import EngineConfig
-from engine.fast_forward import CompileConfig, make_fast
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.q4_matmul import kernel_available, only_torch_kernel
-from engine.quant import use_native_q4
+from engine.model.compiled import CompileConfig
+from engine.model.fast_path import make_fast
+from engine.model.loader import load_model
+from engine.model.q4_matmul import kernel_available, only_torch_kernel
+from engine.model.quant import use_native_q4
+from engine.model.runner import ModelRunner
 from loadtest.bench.steps import time_forward
 
 SHAPES = [(1, 1), (1, 2), (1, 4), (1, 8), (8, 1), (8, 2), (8, 4)]  # (rows, tokens per row)

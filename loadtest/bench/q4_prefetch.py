@@ -1,7 +1,7 @@
 """specd's 4-bit kernel with and without its software prefetch, side by side in one process.
 
 ``specd_q4::mm`` asks the cache for the weights ``kAhead`` groups of 32 inputs before it reads
-them (engine/csrc/q4_avx512.cpp); ``specd_q4::mm_ahead`` takes the distance as an argument, 0
+them (engine/model/csrc/q4_avx512.cpp); ``specd_q4::mm_ahead`` takes the distance as an argument, 0
 meaning none. Two measurements, the distances interleaved ``--rounds`` times:
 
 * **matmuls**: every 4-bit matrix of the config's target (30 layers and the LM head), in forward
@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from engine import q4_matmul
 from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.quant import use_native_q4
+from engine.model import q4_matmul
+from engine.model.loader import load_model
+from engine.model.quant import use_native_q4
+from engine.model.runner import ModelRunner
 from loadtest.bench.steps import time_forward
 
 

@@ -3,12 +3,13 @@ of the same GGUF, teacher-forced over the same text.
 
 Three runners over SmolLM2 (the config's GGUF): the dense model in float32 (transformers'
 dequantized weights: the reference), its Q4_1 layers kept 4-bit in bf16 through specd's kernel
-(8-bit activations, engine/csrc/q4_avx512.cpp) and through torch's ``_weight_int4pack_mm_for_cpu``
-(bf16 activations). Over the answer tokens of ``--rows`` rows of ``--data`` (default: the ``e``
-bucket's self-distilled rows, ``.cache/distill/eval.jsonl``, written by ``specd train-drafter``),
-each 4-bit runner's next-token distribution is compared with the reference's: top-1 agreement
-and mean KL(reference || runner). The two 4-bit runners against each other give the scale: how
-far 8-bit activations move the model compared with what 4-bit weights in bf16 already do.
+(8-bit activations, engine/model/csrc/q4_avx512.cpp) and through torch's
+``_weight_int4pack_mm_for_cpu`` (bf16 activations). Over the answer tokens of ``--rows`` rows of
+``--data`` (default: the ``e`` bucket's self-distilled rows, ``.cache/distill/eval.jsonl``, written
+by ``specd train-drafter``), each 4-bit runner's next-token distribution is compared with the
+reference's: top-1 agreement and mean KL(reference || runner). The two 4-bit runners against each
+other give the scale: how far 8-bit activations move the model compared with what 4-bit weights in
+bf16 already do.
 
     python -m loadtest.bench.q4_quality --rows 40
 """
@@ -22,10 +23,10 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.q4_matmul import kernel_available, only_torch_kernel
-from engine.quant import use_native_q4
+from engine.model.loader import load_model
+from engine.model.q4_matmul import kernel_available, only_torch_kernel
+from engine.model.quant import use_native_q4
+from engine.model.runner import ModelRunner
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,21 +30,21 @@ import numpy as np
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.ngram import ngram_lookup
-from engine.k_control import AdaptiveK, FixedK, HeuristicK
-from engine.k_state import KState
-from engine.loader import load_model
-from engine.round_cost import RoundCost
-from engine.sampling import SamplingParams
-from engine.sequence import RoundStats, SpecParams
-from engine.timing import time_call
+from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK
+from engine.kcontrol.cost import RoundCost
+from engine.kcontrol.state import KState
+from engine.kcontrol.timing import time_call
+from engine.model.loader import load_model
+from engine.requests.sequence import RoundStats, SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, mixed
 
 LOOKUP_S = 2e-4  # one n-gram lookup
 
 
 def measure_verify(runner, widths, prefix: int, repeats: int = 5) -> dict[int, float]:
-    """T(w): the best of ``repeats`` + 1 timed target forwards (engine.timing) of w + 1 query
-    tokens after a ``prefix``-token context, in seconds."""
+    """T(w): the best of ``repeats`` + 1 timed target forwards (engine.kcontrol.timing) of w + 1
+    query tokens after a ``prefix``-token context, in seconds."""
     slot = 0
     runner.cache.allocate(slot)
     try:

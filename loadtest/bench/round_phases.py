@@ -15,11 +15,11 @@ import argparse
 import collections
 import time
 
-from engine import round as round_mod
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
+from engine.round import speculator as round_mod
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, mixed
 
 

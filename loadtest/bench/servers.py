@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from engine.config import EngineConfig
-from engine.loader import prepare, resolve_source
+from engine.model.loader import prepare, resolve_source
 from loadtest import cli, workloads
 from loadtest.modes import interleaved
 from loadtest.server_proc import HOST, spawn, specd_argv

@@ -20,10 +20,11 @@ import statistics
 import torch
 
 from engine.config import EngineConfig
-from engine.fast_forward import CompileConfig, make_fast
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.timing import time_call, time_calls
+from engine.kcontrol.timing import time_call, time_calls
+from engine.model.compiled import CompileConfig
+from engine.model.fast_path import make_fast
+from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
 
 # real model shapes, random weights (no download): for GPU figures
 SHAPES = {
@@ -86,7 +87,8 @@ def time_forward(
     runner: ModelRunner, batch: int, q: int, reps: int, warmup: int = 0
 ) -> list[float]:
     """Seconds of each of ``reps`` forwards of ``q`` random tokens in each of rows 0..batch-1
-    (engine.timing: the device synchronised before and after each), after ``warmup`` untimed."""
+    (engine.kcontrol.timing: the device synchronised before and after each), after ``warmup``
+    untimed."""
     ids = torch.randint(0, runner.vocab_size, (batch, q), device=runner.device)
     slots = list(range(batch))
     logits = "all" if q > 1 else "last"
@@ -150,7 +152,7 @@ def main(argv=None):
         )
 
     if args.native_q4:
-        from engine.quant import use_native_q4
+        from engine.model.quant import use_native_q4
 
         use_native_q4(cfg.model.source, *runners.values())
     ccfg = CompileConfig(

@@ -20,12 +20,12 @@ from pathlib import Path
 import llguidance
 import llguidance.torch as llt
 
-from engine import grammar as grammar_module
-from engine import round as round_module
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
+from engine.round import grammar as grammar_module
+from engine.round import speculator as round_module
+from engine.round.sampling import SamplingParams
 from server.structured import _json
 
 SCHEMAS = {

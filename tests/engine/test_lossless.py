@@ -6,8 +6,8 @@ sampling reproduces."""
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams, Status
+from engine.requests.sequence import SpecParams, Status
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, human_eval, mt_bench
 from tests import helpers
 
@@ -37,7 +37,7 @@ HEAD = "models/smollm2-135m-eagle3"  # the EAGLE-3 head this project trains and 
 def head(real_fp32):
     """The shipped EAGLE-3 head, in fp32 like the target of these tests."""
     from engine.builder import head_folder
-    from engine.eagle_head import load_head
+    from engine.drafters.eagle.head import load_head
 
     return load_head(head_folder(HEAD), len(real_fp32[0].model.layers))
 

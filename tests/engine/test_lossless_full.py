@@ -11,8 +11,8 @@ import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
 from loadtest.datasets import encode, human_eval, mt_bench
 from tests.helpers import greedy_reference
 

@@ -8,10 +8,11 @@ as ``specd serve`` builds it: bf16 around the GGUF's 4-bit layers, the compiled 
 EAGLE-3 head with the per-row n-gram fallback, the adaptive K. One change: its deterministic mode
 is ``request`` (``specd serve --deterministic request``) instead of ``off``, so that a request
 that sends ``"deterministic": true`` runs the batch-invariant forward. In bf16 a forward's rounding
-depends on its shape (README, "What holds in which dtype"): greedy output with speculation on
-can differ from plain decoding on the same server, so a test that compares outputs token for
-token sends ``served.exact`` (``{"deterministic": true}`` there, ``{}`` on the fp32 server); every
-other request runs the default compiled forward exactly as the shipped server runs it."""
+depends on its shape (docs/speculation.md, "What holds in which dtype"): greedy output with
+speculation on can differ from plain decoding on the same server, so a test that compares outputs
+token for token sends ``served.exact`` (``{"deterministic": true}`` there, ``{}`` on the fp32
+server); every other request runs the default compiled forward exactly as the shipped server
+runs it."""
 
 from __future__ import annotations
 

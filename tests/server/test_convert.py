@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.sequence import SpecParams
+from engine.requests.sequence import SpecParams
 from server.convert import EngineCapacity, _spec
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.worker import EngineWorker, QueueFullError
+from engine.worker.worker import EngineWorker, QueueFullError
 from tests.conftest import MODEL, idle, make_app, wait_until
 from tests.server.helpers import CHAT, assert_error, scrape, total
 

@@ -1,11 +1,11 @@
 """Sampled requests (T > 0) that speculate over HTTP, against plain decoding in distribution.
 
-A seeded sampled request runs at K = 0 unless it sends ``speculation.k`` (engine/k_control.py
-``pinned_k``), so every sampled request below sends one (the speculative arm) or turns
-speculation off (the plain arm). Many short requests (a few tokens, a small top-k: a small output
-space), a distinct seed per choice, both arms interleaved and in flight together so that the
-engine batches them; each choice's output is its tokens (``logprobs``), then an end mark where
-it stopped. Then:
+A seeded sampled request runs at K = 0 unless it sends ``speculation.k``
+(engine/kcontrol/controller.py ``pinned_k``), so every sampled request below sends one (the
+speculative arm) or turns speculation off (the plain arm). Many short requests (a few tokens, a
+small top-k: a small output space), a distinct seed per choice, both arms interleaved and in flight
+together so that the engine batches them; each choice's output is its tokens (``logprobs``), then an
+end mark where it stopped. Then:
 
   * the two arms are one distribution, by two chi-square homogeneity tests at ``ALPHA``: over
     whole outputs (a 2 x C table, rare outputs pooled), and node by node over the output tree

@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.model.runner import ModelRunner
 from tests import helpers
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, random_head
 from train.batches import Row, target_batch

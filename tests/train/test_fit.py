@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from engine.eagle_head import load_head
+from engine.drafters.eagle.head import load_head
 from train import fit
 from train.fit import epoch_order, simulated_tau
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from engine.drafters.eagle import EagleDrafter
-from engine.model_runner import ModelRunner
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.model.runner import ModelRunner
 from tests import helpers
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, random_head
 from train.ttt import TTTForward, ttt_loss

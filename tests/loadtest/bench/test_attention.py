@@ -1,5 +1,5 @@
 """loadtest/bench/attention.py: grouped-query attention run as multi-head attention over each KV
-head's query rows (engine.layer.grouped_sdpa, which the decoder layer runs on CPU in bf16) is
+head's query rows (engine.model.layer.grouped_sdpa, which the decoder layer runs on CPU in bf16) is
 torch SDPA's enable_gqa attention, to
 bf16 rounding, for decode steps and verifies with causal masks at ragged positions; a mask or
 head order got wrong would be off by the size of the values."""

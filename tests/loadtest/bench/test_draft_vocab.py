@@ -42,7 +42,7 @@ def test_bench_prints_coverage_by_size(tmp_path, capsys):
 
 
 def test_bench_takes_a_heads_own_vocabulary_as_the_base(tmp_path, capsys):
-    from engine.eagle_head import save_head
+    from engine.drafters.eagle.head import save_head
     from tests.eagle_builders import random_head
 
     head = random_head(1, vocab=64, draft_vocab=32)  # draft ids: 32 of the 64 target ids

@@ -1,7 +1,7 @@
 """The offline controller replay: traces are what n-gram lookup + greedy verification would do,
 and a replayed round emits exactly the accepted tokens plus one."""
 
-from engine.k_control import FixedK, HeuristicK
+from engine.kcontrol.controller import FixedK, HeuristicK
 from loadtest.bench.replay_k import replay, trace
 
 

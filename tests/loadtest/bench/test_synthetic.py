@@ -4,8 +4,8 @@ drafted token with probability α, and an engine that uses it is refused by the 
 import pytest
 import torch
 
-from engine.rejection import rejection_sample
-from engine.worker import EngineWorker
+from engine.round.rejection import rejection_sample
+from engine.worker.worker import EngineWorker
 from loadtest.bench.synthetic import bound, synthetic_accept
 from tests.helpers import engine_for
 

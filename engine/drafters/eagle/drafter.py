@@ -1,0 +1,301 @@
+"""The EAGLE-3 drafter: a one-layer head over the target's own features
+(engine/drafters/eagle/head.py).
+
+State per slot:
+  * the head's KV cache (one layer): positions ``[0, real)`` hold K/V computed from the target's
+    features ("real" positions); drafting writes further positions, dropped at commit;
+  * ``skipped``: sequence positions whose features the head never ingested (below); ``pending``:
+    the target features of sequence positions ``[skipped + real, ...)`` not ingested yet.
+
+Bookkeeping (N = the sequence's token count; the target has computed features for positions
+``[0, N - 1)`` plus the verified ones):
+  * ``observe`` (after every target forward: prefill chunks, verifies) appends the features of
+    the positions that forward computed, ``[start, start + count)``, to ``pending``.
+  * ``add`` (prompt prefilled) ingests positions ``[0, P - 1)`` of a prompt of P tokens
+    (``lazy``, no draft expected soon: leaves them pending, for commit to skip).
+  * ``propose`` first ingests every pending position p, paired with t_{p+1} (one ragged
+    forward; its last output gives d_1), then drafts d_2..d_K by feeding its own output and
+    the previous draft at the next position. d_K is never fed.
+  * ``commit`` rolls the cache back to ``real`` and keeps only the pending features of
+    positions < N - 1 (the accepted ones: a verify's rejected positions are dropped). A row
+    that gathers more than 2 ``WINDOW`` pending positions (rounds at K = 0) drops all but the last
+    ``WINDOW``, the ``skipped``; drafting again, the head ingests the rest after its real positions
+    (as if the skipped stretch were not there: drafts are proposals, output stays exact). K = 0
+    costs the head nothing (ingesting every position instead was a visible share of plain
+    decoding on CPU: docs/measurements.md).
+Invariant after ``commit``: ``skipped + real + len(pending) == N - 1``, so the next verify
+(which starts at position N - 1) continues ``pending`` without a gap; ``observe`` checks it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.eagle.graphs import HeadCapture
+from engine.drafters.eagle.head import Eagle3Head
+from engine.drafters.eagle.step import HeadGraphs, HeadWeights, head_forward
+from engine.model.kv_cache import SlotKVCache
+from engine.model.layer import LayerShape
+from engine.model.weights import from_layer
+from engine.requests.sequence import Sequence
+from engine.round.grammar import DraftGrammar
+from engine.round.plan import RoundPlan
+from engine.round.sampling import logits_to_probs
+from engine.transfer import to_device
+
+log = logging.getLogger("specd.eagle")
+KV_ALIGN = 16  # keys read per call rounded up to this (masked past each row's position)
+WINDOW = 16  # pending positions a row keeps at K = 0 (up to twice as many); older ones skipped
+
+
+class EagleDrafter(DrafterBase):
+    name, samples = "eagle3", True
+
+    def __init__(
+        self, head: Eagle3Head, embed: torch.nn.Module, num_slots: int, max_len: int, vocab: int
+    ):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        c = head.config
+        self.head, self.vocab_size = head.eval(), vocab
+        self.embed = head.embed_tokens if head.embed_tokens is not None else embed
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.taps = c.aux_layers
+        self.cache = SlotKVCache(
+            1, num_slots, c.num_key_value_heads, c.dim, max_len, p.dtype, p.device
+        )
+        self.shape = LayerShape(
+            c.num_attention_heads, c.num_key_value_heads, c.dim, c.rms_norm_eps, c.hidden_act
+        )
+        rotary = LlamaRotaryEmbedding(config=c.llama_config()).to(p.device)
+        self.kv_idx = torch.arange(max_len + 1, device=p.device)  # [max_len + 1] key positions
+        cos, sin = rotary(torch.zeros(1, dtype=p.dtype, device=p.device), self.kv_idx[None])
+        embed_w = self.embed.weight
+        assert isinstance(embed_w, torch.Tensor)
+        self.weights = HeadWeights(
+            embed_w, head.fc.weight, head.midlayer.hidden_norm.weight,
+            from_layer(head.midlayer), head.norm.weight, head.lm_head.weight, cos[0], sin[0],
+        )  # fmt: skip
+        self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = head_forward  # or graphs
+        self.draft_ids = head.draft_to_target  # [draft_vocab] target id of each draft id
+        self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> [n, taps * hidden] pieces
+        self.pending_n: dict[int, int] = {}
+        self.real: dict[int, int] = {}  # slot -> cache positions computed from real features
+        self.skipped: dict[int, int] = {}  # slot -> sequence positions never ingested
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def observe(
+        self, seqs: list[Sequence], hidden: torch.Tensor, starts: list[int], counts: list[int]
+    ) -> None:
+        """``hidden`` ``[batch, q, taps * hidden]``: the target's features of positions
+        ``[starts[b], starts[b] + counts[b])`` of row b."""
+        for b, (s, start, n) in enumerate(zip(seqs, starts, counts)):
+            if not s.spec.enabled:
+                continue
+            if start == 0:  # a new prompt in this slot
+                self.pending[s.slot], self.pending_n[s.slot] = [], 0
+                self.real[s.slot] = self.skipped[s.slot] = 0
+            elif self.skipped[s.slot] + self.real[s.slot] + self.pending_n[s.slot] != start:
+                raise ValueError("EAGLE features out of step with the sequence")
+            self.pending[s.slot].append(hidden[b, :n])
+            self.pending_n[s.slot] += n
+
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
+        rows = [s for s in seqs if s.spec.enabled]
+        for s in rows:
+            self.cache.allocate(s.slot)
+            if self.pending_n.get(s.slot) != len(s.prompt_ids):
+                raise ValueError("EAGLE head: the prompt's features are missing")
+        rows = [s for s in rows if not lazy or s.spec.k]  # lazy: pending, unless K is fixed
+        take = [len(s.prompt_ids) - 1 for s in rows]
+        if any(take):
+            self._ingest([s for s, n in zip(rows, take) if n], [n for n in take if n])
+
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        if dst.spec.enabled and src.slot in self.pending:  # the prompt's features, shared
+            self.pending[dst.slot] = list(self.pending[src.slot])
+            for d in (self.pending_n, self.real, self.skipped):
+                d[dst.slot] = d[src.slot]
+
+    def remove(self, seq: Sequence) -> None:
+        self.cache.free(seq.slot)
+        for d in (self.pending, self.pending_n, self.real, self.skipped):
+            d.pop(seq.slot, None)
+
+    def backlogs(self, seqs: list[Sequence]) -> list[int]:  # < 2·WINDOW: commit drops older
+        return [max(self.pending_n.get(s.slot, 0) - 1, 0) for s in seqs]
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            slot, real = s.slot, self.real[s.slot]
+            self.cache.rollback(slot, real)  # drop the drafted chain's K/V
+            keep = s.num_tokens - 1 - self.skipped[slot] - real
+            drop = keep - WINDOW if keep > 2 * WINDOW else 0  # the oldest at K = 0: skipped
+            if keep < self.pending_n[slot] or drop:
+                self.pending[slot] = [torch.cat(self.pending[slot])[drop:keep]]
+                self.pending_n[slot], self.skipped[slot] = keep - drop, self.skipped[slot] + drop
+
+    def use_q4(self) -> bool:
+        """Run the head's matrices 4-bit (engine/drafters/eagle/q4.py); False where the int4
+        kernel does not apply (CUDA, float32, widths not a multiple of 32): kept dense."""
+        from engine.drafters.eagle.q4 import quantized, supported
+
+        if not supported(self.weights, self.device, self.dtype):
+            log.warning("drafter.head_q4: needs a CPU head below float32; kept dense")
+            return False
+        self.weights = quantized(self.weights, self.dtype)
+        return True
+
+    # -- compiled path ------------------------------------------------------------------------
+    def compile(self, backend: str = "inductor", capture_kv_align: int | None = None) -> None:
+        """The head's fast path, made ready by :meth:`warm_up`: inductor's graphs without guards
+        (eagle_step.py, on CPU), or with ``capture_kv_align`` CUDA graphs (eagle_graphs.py)."""
+        if capture_kv_align is None:
+            self.forward = HeadGraphs(backend)
+        else:  # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
+            c = self.cache
+            self.forward = HeadCapture(c.scratch_pos, c.num_slots, capture_kv_align, c.max_len,
+                                       2 * WINDOW)  # fmt: skip
+
+    def warm_up(self) -> None:
+        """Compile or capture every graph key on the scratch column (nothing committed is read
+        or changed)."""
+        width = (self.head.fc.in_features, self.head.config.hidden_size)  # ingest, chain
+        kv = (self.cache.k[0], self.cache.v[0])
+        if isinstance(self.forward, HeadCapture):
+            self.forward.capture_all(self.weights, *kv, self.shape, width)
+        elif isinstance(self.forward, HeadGraphs):
+            self.forward.warm_up(self._run, width, self.dtype, self.device, self.cache.scratch_pos)
+
+    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, ingest):
+        """:func:`head_forward` (compiled or eager) on the head's weights and cache; ``last``,
+        ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1)."""
+        dev, c = self.device, self.cache
+        kv_len = min(-(-max(kv_len, 2) // KV_ALIGN) * KV_ALIGN, c.max_len + 1)
+        args = (ids, x, to_device(last, torch.long, dev), self.weights, pos, write_pos)
+        rest = (self.kv_idx[:kv_len], c.k[0], c.v[0], to_device(slots, torch.long, dev))
+        try:
+            return self.forward(*args, *rest, self.shape, ingest)
+        except Exception as e:  # a compile failure must not stop drafting
+            if self.forward is head_forward:
+                raise
+            log.warning("compiled EAGLE-3 head failed (%s: %s); eager from now on",
+                        type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            self.forward = head_forward
+            return head_forward(*args, *rest, self.shape, ingest)
+
+    # -- drafting -----------------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
+        ks, dev = plan.ks, self.device
+        kmax = max(ks)
+        tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
+        rows = [b for b, k in enumerate(ks) if k > 0]
+        # q matters only to sampled rows: an all-greedy batch reports none (one-hot)
+        sampled = any(not plan.params[b].greedy for b in rows)
+        probs = torch.zeros(len(seqs), kmax, self.vocab_size, device=dev) if sampled else None
+        if not rows:
+            return Proposal(tokens, list(ks), probs)
+        idx = to_device(rows, torch.long, dev)
+        row_p = (plan.temperature[idx], plan.top_k[idx], plan.top_p[idx], plan.greedy[idx])
+        # ingest every pending position; the last one's output drafts d_1
+        out, logits = self._ingest(
+            [seqs[b] for b in rows], [self.pending_n[seqs[b].slot] for b in rows]
+        )
+        tok = tokens[:0, 0]
+        guide = DraftGrammar(seqs)
+        for j in range(kmax):
+            active = [i for i, b in enumerate(rows) if ks[b] > j]
+            if len(active) < len(rows):  # rows whose K is reached leave the draft batch
+                rows = [rows[i] for i in active]
+                a = to_device(active, torch.long, dev)
+                row_p = (row_p[0][a], row_p[1][a], row_p[2][a], row_p[3][a])
+                out, tok = out[a], tok[a]
+            if j > 0:  # feed (own output, previous draft) at the next position
+                slots = [seqs[b].slot for b in rows]
+                starts = [self.cache.lengths[s] for s in slots]
+                out, logits = self._chain(tok, out, slots, starts)
+                for s, st in zip(slots, starts):
+                    self.cache.commit(s, st + 1)
+            row_t = to_device(rows, torch.long, dev)
+            tok, q = self._choose(logits, rows, row_t, j, row_p, plan, guide, sampled)
+            tokens[row_t, j] = tok
+            if probs is not None:
+                probs[row_t, j] = q
+            if guide:
+                guide.took(tok.tolist(), rows)
+        guide.close()
+        return Proposal(tokens, list(ks), probs)
+
+    def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled):
+        """Draft position j of ``rows`` from the head's logits over the draft vocabulary
+        ``[rows, draft_vocab]``: the target ids drafted ``[rows]`` and q over the target
+        vocabulary ``[rows, vocab]`` (zero outside the draft vocabulary; None unless
+        ``sampled``). Grammar rows and top-k / top-p run over the whole vocabulary; otherwise q
+        is the softmax over the draft vocabulary (the same q)."""
+        temp, top_k, top_p, greedy = row_p
+        noise, ids = plan.draft_noise, self.draft_ids
+        if guide or plan.filter_rows:
+            full = draft_logits.new_full((len(rows), self.vocab_size), float("-inf"))
+            full[:, ids] = draft_logits
+            logits = guide.mask(full, rows)  # grammar rows: what it allows next
+            q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)[:, 0]
+            if noise is None:
+                return q.argmax(-1), q
+            return torch.where(greedy, q.argmax(-1), (q / noise[row_t, j]).argmax(-1)), q
+        if not sampled:
+            return ids[draft_logits.argmax(-1)], None
+        qd = torch.softmax(draft_logits / temp[:, None], dim=-1)  # [rows, draft_vocab]
+        pick = qd.argmax(-1)
+        if noise is not None:  # the exponential race over the draft vocabulary
+            pick = torch.where(greedy, pick, (qd / noise[row_t, j][:, ids]).argmax(-1))
+        q = qd.new_zeros(len(rows), self.vocab_size)
+        q[:, ids] = qd
+        return ids[pick], q
+
+    # -- the head -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _ingest(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take in the first ``counts[b]`` pending positions p of row b, each paired with token
+        t_{p+1}; returns the head's output ``[rows, hidden]`` and draft logits
+        ``[rows, draft_vocab]`` at each row's last one."""
+        slots = [s.slot for s in seqs]
+        starts = [self.cache.lengths[s] for s in slots]
+        q = max(counts)
+        feats = torch.zeros(
+            len(seqs), q, self.head.fc.in_features, dtype=self.dtype, device=self.device
+        )  # [rows, q, taps * hidden]
+        ids = []
+        for b, (s, st, n) in enumerate(zip(seqs, starts, counts)):
+            pend = torch.cat(self.pending[s.slot])
+            feats[b, :n] = pend[:n]
+            self.pending[s.slot], self.pending_n[s.slot] = [pend[n:]], len(pend) - n
+            t = self.skipped[s.slot] + st + 1  # the token after each position ingested
+            nxt = s.token_array()[t : t + n].tolist()
+            ids.append(nxt + [0] * (q - n))
+        ids_t = to_device(ids, torch.long, self.device)  # [rows, q]
+        pos, write_pos = (
+            to_device(t, None, self.device) for t in self.cache.positions(starts, counts, q)
+        )  # [rows, q]
+        kv_len = max(st + n for st, n in zip(starts, counts))
+        last = [n - 1 for n in counts]
+        out = self._run(ids_t, feats, last, slots, pos, write_pos, kv_len, True)
+        for slot, st, n in zip(slots, starts, counts):
+            self.cache.commit(slot, st + n)
+            self.real[slot] = st + n
+        return out
+
+    @torch.inference_mode()
+    def _chain(
+        self, tok: torch.Tensor, out: torch.Tensor, slots: list[int], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained draft step: tokens ``tok`` ``[rows]`` with the head's previous outputs
+        ``out`` ``[rows, hidden]`` at positions ``starts``; K/V written there (uncommitted).
+        Returns the new outputs ``[rows, hidden]`` and draft logits ``[rows, draft_vocab]``."""
+        pos = to_device(starts, torch.long, self.device)[:, None]  # [rows, 1]
+        last = [0] * len(slots)
+        return self._run(tok[:, None], out[:, None], last, slots, pos, pos, max(starts) + 1, False)

@@ -1,0 +1,154 @@
+"""The EAGLE-3 head's forward replayed as CUDA graphs (``compile.mode: cuda-graphs`` on CUDA).
+
+On CUDA the head otherwise runs eagerly (inductor's guardless graphs are not used there,
+engine/model/fast_path.fast_mode): one chained draft step of a head shaped for a large target is
+dozens of kernel launches, which take far longer than reading its weights
+(docs/measurements.md). :class:`HeadCapture` is callable as
+:func:`~engine.drafters.eagle.step.head_forward` and replays one recorded graph per key
+(rows bucket, q bucket, key-length bucket, ingest or chain); a call outside the buckets (a
+prompt's ingest at admission, longer than the largest q bucket) runs the eager function.
+
+Invariants:
+
+- A call's rows are rows ``[0, rows)`` of its bucket. Padding writes only the scratch column:
+  past a row's own q the caller's ``write_pos`` already names it, and the write positions are
+  rewritten whole on every call, padding included, so a stale row of an earlier, larger call
+  never writes into another row's cache. The padding's other inputs (ids, features, positions,
+  slots, ``last``) may hold an earlier call's values, all valid indices: they feed only
+  outputs that are dropped. Keys past a row's position are masked, so a longer key bucket reads
+  more keys but attends to the same ones.
+- Weights, caches, the layer shape and the dtype are those of the first call, fixed for the
+  drafter's life (a graph reads memory by address).
+- The graphs of one (rows, q, ingest) shape share their static inputs, whatever their key length.
+- The head's graphs share a memory pool of their own, so a replay may overwrite any of the head's
+  graphs' outputs, never the target's or the draft model's: a call returns copies.
+- Attention as in the eager head on CUDA: SDPA without cuDNN, query heads grouped by KV head
+  (engine/layer.varying_shape_attention), so no bucket builds a cuDNN plan at warm-up.
+- The same function as the eager path (drafts are proposals: the verify keeps output exact
+  whatever rounding a bucket's shapes give). Without CUDA, a replay re-runs the function on the
+  static buffers, which tests the padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.drafters.eagle.step import HeadWeights, head_forward
+from engine.model.compiled import bucket, default_buckets
+from engine.model.cuda_graphs import kv_buckets, record_on
+from engine.model.layer import LayerShape
+
+log = logging.getLogger("specd.eagle")
+
+
+@dataclass
+class _Graph:
+    """One key's recorded forward: its static inputs and outputs, and its replay."""
+
+    ids: torch.Tensor  # [nb, qb] long
+    x: torch.Tensor  # [nb, qb, width]: target features (ingest) or the head's outputs (chain)
+    last: torch.Tensor  # [nb] long: the query each row's output is read at
+    pos: torch.Tensor  # [nb, qb] long
+    write_pos: torch.Tensor  # [nb, qb] long
+    slot_t: torch.Tensor  # [nb] long
+    kv_idx: torch.Tensor  # [kv] arange (constant; held: the graph reads it)
+    out: torch.Tensor  # [nb, hidden] the layer's output at ``last``
+    logits: torch.Tensor  # [nb, draft_vocab] float32
+    replay: object
+
+
+class HeadCapture:
+    """Callable as ``head_forward``; records a key's graph on its first call (or at
+    :meth:`capture_all`, the drafter's warm-up)."""
+
+    def __init__(self, scratch_pos: int, slots: int, kv_align: int, max_len: int, q_max: int):
+        self.scratch_pos = scratch_pos
+        self.row_buckets = default_buckets(slots)
+        self.q_buckets = default_buckets(q_max)  # an ingest's q; a chained step has q = 1
+        self.kv_buckets = kv_buckets(kv_align, max_len + 1)
+        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
+        self.inputs: dict[tuple[int, int, bool], tuple[torch.Tensor, ...]] = {}  # (nb, qb, ingest)
+        self.pool: Any = None  # the head's own memory pool, made at the first capture on CUDA
+        self.captures = self.calls = self.eager_calls = 0
+        self.eager = False  # a capture at warm-up failed: every call runs the eager function
+
+    def key(self, rows: int, q: int, kv_len: int, ingest: bool):
+        """(rows bucket, q bucket, key-length bucket, ingest), or None: the call runs eagerly."""
+        nb, kv = bucket(self.row_buckets, rows), bucket(self.kv_buckets, kv_len)
+        qb = bucket(self.q_buckets, q) if ingest else (1 if q == 1 else None)
+        return None if nb is None or qb is None or kv is None else (nb, qb, kv, ingest)
+
+    def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        """Arguments as :func:`head_forward`'s; outputs ``[rows, hidden]``, logits
+        ``[rows, draft_vocab]``."""
+        ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest = args
+        rows, q = ids.shape
+        key = None if self.eager else self.key(rows, q, kv_idx.shape[0], ingest)
+        if key is None:
+            self.eager_calls += 1
+            return head_forward(*args)
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._capture(key, x.shape[-1], w, kc, vc, shape)
+        g.write_pos.fill_(self.scratch_pos)  # padding writes the scratch column, whatever it held
+        g.ids[:rows, :q].copy_(ids)
+        g.x[:rows, :q].copy_(x)
+        g.last[:rows].copy_(last)
+        g.pos[:rows, :q].copy_(pos)
+        g.write_pos[:rows, :q].copy_(write_pos)
+        g.slot_t[:rows].copy_(slot_t)
+        g.replay()  # type: ignore[operator]
+        self.calls += 1
+        return g.out[:rows].clone(), g.logits[:rows].clone()
+
+    def capture_all(self, w: HeadWeights, kc, vc, shape: LayerShape, widths: tuple[int, int]):
+        """Record every key (``widths``: the features' width for an ingest, the head's hidden
+        size for a chained step). Nothing committed is written: every write goes to the
+        scratch column. Where a capture fails, the head runs eagerly from then on (no capture
+        is attempted while serving)."""
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for nb in self.row_buckets:
+                    for kv in self.kv_buckets:
+                        for qb, ingest in [(q, True) for q in self.q_buckets] + [(1, False)]:
+                            key = (nb, qb, kv, ingest)
+                            if key not in self.graphs:
+                                width = widths[0] if ingest else widths[1]
+                                self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
+        except Exception as e:  # noqa: BLE001 -- drafting goes on, eagerly
+            self.eager, self.graphs, self.inputs = True, {}, {}
+            log.warning("capturing the EAGLE-3 head failed (%s: %s); it runs eagerly",
+                        type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            return
+        log.warning("captured the EAGLE-3 head: %d graphs in %.1f s", len(self.graphs),
+                    time.perf_counter() - t0)  # fmt: skip
+
+    def _capture(self, key, width: int, w: HeadWeights, kc, vc, shape: LayerShape) -> _Graph:
+        nb, qb, kv, ingest = key
+        dev = kc.device
+        ins = self.inputs.get((nb, qb, ingest))
+        if ins is None:  # one set of static inputs serves every key-length bucket of a shape
+            longs = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
+            x = torch.zeros(nb, qb, width, dtype=kc.dtype, device=dev)  # the head's dtype
+            ins = self.inputs[(nb, qb, ingest)] = (longs(nb, qb), x, longs(nb), longs(nb, qb),
+                                                   longs(nb, qb), longs(nb))  # fmt: skip
+        ids, x, last, pos, write_pos, slot_t = ins
+        write_pos.fill_(self.scratch_pos)  # the runs before the recording write the scratch column
+        kv_idx = torch.arange(kv, device=dev)
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            return head_forward(
+                ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest
+            )
+
+        if dev.type == "cuda" and self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        (out, logits), replay = record_on(dev, forward, self.pool)
+        self.captures += 1
+        return _Graph(ids, x, last, pos, write_pos, slot_t, kv_idx, out, logits, replay)

@@ -1,0 +1,222 @@
+"""The fast forward path: fixed-shape, compiled decode / verify / draft-step forwards.
+
+Like gpt-fast, small forwards run ``torch.compile``d over a small, known set of shapes, which
+removes per-operator overhead and, on CUDA, launch overhead (CUDA graphs). On CPU, where a
+decode step is mostly matmuls, the gain is small (``python -m loadtest.bench.steps`` measures it
+per shape). The shapes:
+
+- **Rows are slots.** A forward over rows in slots ``S`` runs the slot range ``[0, bucket)`` with
+  ``bucket`` the smallest batch bucket > max(S) (the cache hands out low slots first, so the range
+  stays tight); slots not in the step are padding rows: their tokens write only to the scratch
+  column and their outputs are dropped. Keys and values are then read as a *view* of the cache,
+  never gathered.
+- **Query length** ``q`` (1 for a decode step, K+1 for a verify) is padded to a q bucket.
+- **Key length** (the longest row's length) is padded to a multiple of ``kv_align`` and is
+  *dynamic* in the compiled graph on CPU (one graph serves every length), or the whole cache
+  (``max_len + 1``, static) under CUDA graphs, which record one graph per shape.
+- With ``dynamic`` (the CPU default) batch and q are dynamic dimensions too, so the buckets bound
+  the shapes while few graphs are compiled (torch specializes sizes of 1: a batch-1 and a q-1
+  graph exist apart). With ``dynamic: false`` every (batch, q) bucket is its own graph.
+
+Every (batch, q) bucket is run once at start-up (:meth:`FastForward.warm_up`), before the server
+reports ready, so no request ever waits for a compile; compile time is logged. A failed compile
+or warm-up logs a warning and the runner stays eager. Prefill chunks (long, ragged) stay eager.
+
+The compiled unit is the one the eager path runs, :func:`engine.model.layer.layer_group`: a group of
+``layers_per_graph`` consecutive decoder layers, weights and caches passed in, so one graph serves
+every group of the same structure and both paths compute the same thing (the lossless tests run
+with compilation on, fp32). Per group of layers, not per layer (Dynamo's per-call cost is paid
+per graph, so once per layer and step) nor the whole stack (far longer to compile for little
+more speed); the figures are in docs/measurements.md.
+
+Graphs are picked by key, without Dynamo's guards (engine/model/group_graphs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model.group_graphs import GroupGraphs
+from engine.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
+
+log = logging.getLogger("specd.fast_forward")
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    # torch.compile mode: "default" | "max-autotune-no-cudagraphs" | "reduce-overhead" (inductor
+    # under CUDA-graph trees); or "cuda-graphs": the decoder stack captured as CUDA graphs
+    # (engine/model/cuda_graphs.py), the eager layers or with ``fuse`` inductor's groups of them
+    mode: str = "default"
+    backend: str = "inductor"
+    dynamic: bool | None = None  # batch / q / key length dynamic; None: True except CUDA graphs
+    batch_buckets: list[int] | None = None  # default: 1, 2, 4, 8, ... up to max_running
+    q_buckets: list[int] | None = None  # default: 1, 2, 4, ... and k_max + 1
+    kv_align: int = 64  # key length padded to a multiple of this
+    warmup: bool = True  # run every bucket at start-up (compiles them before /ready)
+    # threads of inductor's generated CPU kernels; 1: no OpenMP region of their own (the small
+    # fused kernels of a decode step gain nothing from threads, and a second OpenMP pool
+    # spinning beside torch's own slows every matmul on a few cores); None: inductor's default
+    cpp_threads: int | None = 1
+    layers_per_graph: int = 6  # decoder layers a compiled graph runs (engine/layer.layer_group)
+    # cuda-graphs only: capture inductor's compiled layer groups (kernels fused; Dynamo's guards
+    # kept, evaluated at capture only) instead of the eager stack
+    fuse: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> CompileConfig:
+        return cls(**(d or {}))
+
+
+def default_buckets(limit: int, top: int | None = None) -> list[int]:
+    """1, 2, 4, ... below ``limit``, then ``limit`` itself (``top``: an extra largest bucket)."""
+    out: list[int] = []
+    b = 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    out.append(limit)
+    return sorted(set(out + ([top] if top else [])))
+
+
+def bucket(buckets: list[int], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class FastForward:
+    """Compiled fixed-shape forward of one :class:`~engine.model.runner.ModelRunner`."""
+
+    def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
+        self._buckets(runner, cfg, k_max)
+        cache = runner.cache
+        self.cuda_graphs = cfg.mode == "reduce-overhead"
+        self.dynamic = (not self.cuda_graphs) if cfg.dynamic is None else cfg.dynamic
+        self.full_kv = self.cuda_graphs  # static key length: the whole cache
+        import torch._dynamo as dynamo
+        import torch._inductor.config as inductor_config
+
+        if cfg.cpp_threads is not None:
+            inductor_config.cpp.threads = cfg.cpp_threads
+        # shapes change only where marked dynamic: a key's compile never generalizes from the
+        # shapes another key's compile of the same function saw. (No recompile limit to raise:
+        # a graph without guards compiles once, engine/model/group_graphs.py.)
+        dynamo.config.automatic_dynamic_shapes = False
+        if self.cuda_graphs:
+            for t in cache.k + cache.v:
+                dynamo.mark_static_address(t)
+        mode = None if cfg.mode == "default" else cfg.mode
+        # the compiled layer groups, called as the eager layer_group is
+        self.graphs = GroupGraphs(cfg.backend, mode, self.dynamic, self.full_kv)
+
+    def _buckets(self, runner: ModelRunner, cfg: CompileConfig, k_max: int) -> None:
+        self.runner, self.cfg, self.calls = runner, cfg, 0
+        slots = runner.cache.num_slots
+        buckets = sorted(cfg.batch_buckets or default_buckets(slots))
+        if buckets[-1] > slots:  # e.g. the default's 16 under --max-running 4
+            buckets = [b for b in buckets if b < slots] + [slots]
+            log.info("batch buckets cut to the cache's %d slots: %s", slots, buckets)
+        self.batch_buckets = buckets
+        self.q_buckets = sorted(cfg.q_buckets or default_buckets(2, k_max + 1))
+
+    def bucket_shape(self, rows: int, q: int) -> tuple[int, int] | None:
+        """(batch bucket, q bucket) of a forward over slots ``[0, rows)`` of ``q`` tokens, or
+        None when the shape is outside the buckets (the forward runs eagerly)."""
+        nb, qb = bucket(self.batch_buckets, rows), bucket(self.q_buckets, q)
+        return None if nb is None or qb is None else (nb, qb)
+
+    # -- one forward ----------------------------------------------------------------------------
+    def run(
+        self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int]
+    ) -> torch.Tensor | None:
+        """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens;
+        returns their final-normed hidden states ``[batch, q, hidden]``, or None when the shape
+        is outside the buckets."""
+        runner, dev = self.runner, self.runner.device
+        q = ids.shape[1]
+        shape = self.bucket_shape(max(slots) + 1, q)
+        if shape is None:
+            return None
+        nb, qb = shape
+        row_start, row_count = [0] * nb, [0] * nb  # padding rows: zero tokens at position 0
+        for s, st, n in zip(slots, starts, counts):
+            row_start[s], row_count[s] = st, n
+        pos, write_pos = runner.cache.positions(row_start, row_count, qb)  # [nb, qb]
+        slot_t = to_device(slots, torch.long, dev)  # [batch]
+        ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
+        ids_b[slot_t, :q] = ids
+        kv_len = max(st + n for st, n in zip(starts, counts))
+        h = self._call(ids_b, pos, write_pos, self._kv_len(kv_len))
+        if runner.tapped is not None:  # the rows of this forward's slots
+            runner.tapped = runner.tapped[slot_t, :q]  # [batch, q, taps * hidden]
+        return h[slot_t, :q]  # [batch, q, hidden]
+
+    def _kv_len(self, kv_len: int) -> int:
+        cache = self.runner.cache
+        if self.full_kv:
+            return cache.max_len + 1
+        a = self.cfg.kv_align
+        return min(max(a, -(-kv_len // a) * a), cache.max_len + 1)
+
+    def _call(
+        self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and the
+        host tensors pos, write_pos ``[nb, qb]``, keys read up to ``kv_len``; returns
+        final-normed hidden states ``[nb, qb, hidden]``."""
+        dev = self.runner.device
+        nb = ids.shape[0]
+        rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
+        kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
+        self.calls += 1
+        return self.runner.layers_forward(
+            ids,
+            to_device(pos, None, dev),
+            to_device(write_pos, None, dev),
+            rows,
+            kv_idx,
+            0,
+            self.graphs,
+            self.cfg.layers_per_graph,
+        )
+
+    # -- start-up -------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Run every (batch, q) bucket once on scratch positions (compiles them). Nothing
+        committed is touched: every token is written to the scratch column."""
+        runner, dev = self.runner, self.runner.device
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for nb in self.batch_buckets:
+                for qb in self.q_buckets:
+                    t = time.perf_counter()
+                    ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
+                    pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)
+                    for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
+                        self._call(ids, pos, write_pos, kv)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    log.info(
+                        "compiled %s forward batch=%d q=%d in %.1f s",
+                        runner.name,
+                        nb,
+                        qb,
+                        time.perf_counter() - t,
+                    )
+        log.warning(
+            "compiled the %s forward: %d shapes in %.1f s",
+            runner.name,
+            len(self.batch_buckets) * len(self.q_buckets),
+            time.perf_counter() - t0,
+        )

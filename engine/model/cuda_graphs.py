@@ -1,0 +1,199 @@
+"""Captured forwards: the fast path's fixed shapes replayed as CUDA graphs (``compile.mode:
+cuda-graphs``).
+
+A decode step of a large model at batch 1 is a few hundred small kernels; launched one by one
+from Python they cost more than the weights take to read. :class:`GraphForward` records the
+decoder stack (:meth:`engine.model.runner.ModelRunner.layers_forward`: the eager layers, or with
+``compile.fuse`` inductor's compiled groups of them, engine/group_graphs.GuardedGroups) once per
+bucket into a ``torch.cuda.CUDAGraph`` and replays it: one launch a forward. It runs
+the shapes of :class:`~engine.model.compiled.FastForward` (rows are slots ``[0, bucket)``, q padded
+to a bucket, padding rows write only to the scratch column), and pads the key length to a
+power-of-two bucket (``kv_align``, twice that, ... up to the whole cache): attention never reads
+more than twice the keys it needs, whatever ``max_model_len``. Each (batch, q, key length)
+bucket is a graph, captured at start-up before the server reports ready: quickly for the eager
+stack; with ``compile.fuse`` after inductor compiles a graph per key (whether batch and q are 1),
+which for a large model takes far longer than the captures (docs/measurements.md).
+
+Invariants:
+
+- A graph reads its inputs from static buffers (ids, positions, write positions) that each call
+  fills first: ids device-to-device, positions from the host through pinned memory without a
+  sync (engine/transfer.py), and from constant ones (rows, key indices). :class:`Captured` holds
+  every one of them: a graph reads memory by address, and a freed buffer's memory is soon
+  another tensor's. Weights and caches are read and written in place.
+- All graphs share one memory pool, so a replay may overwrite any graph's outputs: a call's
+  outputs are read (copied by :meth:`FastForward.run`'s row pick) before the next replay is
+  queued, and nothing keeps them.
+- A graph holds the taps (EAGLE-3 features) the runner named at its capture: when the runner's
+  taps change, every graph is dropped and recaptured on use.
+- The same arithmetic as the eager path (the same kernels, minus launches; with
+  ``compile.fuse``, inductor's fused kernels of the same layer functions), so the lossless
+  tests hold through it; on a machine without CUDA the recorder re-runs the forward on the
+  static buffers, which tests the buffer plumbing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from engine.model.compiled import CompileConfig, FastForward, bucket
+from engine.model.group_graphs import GuardedGroups
+from engine.transfer import copy_into
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
+
+log = logging.getLogger("specd.cuda_graphs")
+T = TypeVar("T")
+Outs = TypeVar("Outs", bound=tuple)  # a forward's outputs: tensors, or None where it has none
+
+
+@dataclass
+class Captured:
+    """One bucket's graph: its static inputs and outputs, and how to replay it."""
+
+    ids: torch.Tensor  # [nb, qb] long
+    pos: torch.Tensor  # [nb, qb] long
+    write_pos: torch.Tensor  # [nb, qb] long
+    rows: torch.Tensor  # [nb]: slots 0 .. nb-1 (constant; held: the graph reads it)
+    kv_idx: torch.Tensor  # [kv_len]: arange (constant; held: the graph reads it)
+    out: torch.Tensor  # [nb, qb, hidden]: final-normed hidden states
+    tapped: torch.Tensor | None  # [nb, qb, taps * hidden]
+    replay: Callable[[], None]
+
+
+class GraphForward(FastForward):
+    """:class:`FastForward` whose buckets are CUDA graphs of the decoder stack."""
+
+    def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
+        self._buckets(runner, cfg, k_max)
+        self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
+        self.captured: dict[tuple[int, int, int], Captured] = {}
+        self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
+        self._taps = runner.taps
+        self.pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
+        # compile.fuse: the captured forward runs inductor's layer groups, not the eager stack
+        self.groups = GuardedGroups(cfg.backend) if cfg.fuse else None
+
+    def _call(
+        self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
+        """As :meth:`FastForward._call` (``kv_len`` a key-length bucket): fill the bucket's
+        static inputs, replay its graph (captured on first use), return its static output."""
+        nb, qb = ids.shape
+        if self.runner.taps != self._taps:  # graphs record the taps of their capture
+            self.captured, self._taps = {}, self.runner.taps
+        key = (nb, qb, kv_len)
+        g = self.captured.get(key)
+        if g is None:
+            g = self.captured[key] = self._capture(*key)
+        g.ids.copy_(ids)
+        copy_into(g.pos, pos)
+        copy_into(g.write_pos, write_pos)
+        g.replay()
+        self.calls += 1
+        self.runner.tapped = g.tapped
+        return g.out
+
+    def _kv_len(self, kv_len: int) -> int:
+        return bucket(self.kv_buckets, kv_len) or self.kv_buckets[-1]
+
+    def warm_up(self) -> None:
+        """Capture every (batch, q, key length) bucket (nothing committed is touched). Where
+        inductor's groups fail (``compile.fuse``), the eager stack is captured instead."""
+        t0 = time.perf_counter()
+        try:
+            self._capture_all()
+        except Exception as e:
+            if self.groups is None:
+                raise
+            log.warning("fused %s forward failed (%s: %s); capturing the eager stack",
+                        self.runner.name, type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            self.groups, self.captured, self.captures = None, {}, 0
+            self._capture_all()
+        log.warning(
+            "captured the %s forward: %d CUDA graphs in %.1f s",
+            self.runner.name,
+            len(self.captured),
+            time.perf_counter() - t0,
+        )
+
+    def _capture_all(self) -> None:
+        with torch.inference_mode():
+            for nb in self.batch_buckets:
+                for qb in self.q_buckets:
+                    for kv in self.kv_buckets:
+                        if (nb, qb, kv) not in self.captured:
+                            self.captured[(nb, qb, kv)] = self._capture(nb, qb, kv)
+
+    def _capture(self, nb: int, qb: int, kv_len: int) -> Captured:
+        """Record the decoder stack over slots ``[0, nb)`` at ``qb`` tokens a row, keys read up to
+        ``kv_len``. The recording runs on scratch positions (every row's count is 0): nothing
+        committed is written."""
+        runner, dev = self.runner, self.runner.device
+        pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)  # [nb, qb]
+        ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
+        pos, write_pos = pos.to(dev), write_pos.to(dev)
+        rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
+        kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+            groups = self.groups
+            size = self.cfg.layers_per_graph if groups is not None else None
+            h = runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, groups, size)
+            return h, runner.tapped
+
+        (out, tapped), replay = record_on(dev, forward, self.pool)
+        self.captures += 1
+        log.info("captured %s forward batch=%d q=%d keys=%d", runner.name, nb, qb, kv_len)
+        return Captured(ids, pos, write_pos, rows, kv_idx, out, tapped, replay)
+
+
+def record(fn: Callable[[], T], pool=None) -> tuple[T, Callable[[], None]]:
+    """``fn`` (CUDA work) recorded into a ``torch.cuda.CUDAGraph`` (in memory pool ``pool``):
+    its outputs, the graph's static ones, and the graph's replay. ``fn`` runs twice first on a
+    side stream, so that lazy library set-up (cuBLAS workspaces, cuDNN plans) is not recorded."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+    finally:
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return out, graph.replay
+
+
+def record_on(
+    device: torch.device, fn: Callable[[], Outs], pool=None
+) -> tuple[Outs, Callable[[], None]]:
+    """:func:`record` on CUDA; elsewhere ``fn`` run once and a replay that runs it again into
+    the same outputs (None outputs skipped), which tests the static buffers' plumbing."""
+    if device.type == "cuda":
+        return record(fn, pool)
+    outs = fn()
+
+    def replay() -> None:
+        for out, new in zip(outs, fn()):
+            if out is not None and new is not None:
+                out.copy_(new)
+
+    return outs, replay
+
+
+def kv_buckets(align: int, whole: int) -> list[int]:
+    """Key-length buckets: ``align``, doubling, then ``whole`` (the cache's length)."""
+    out, b = [], align
+    while b < whole:
+        out.append(b)
+        b *= 2
+    return out + [whole]

@@ -1,0 +1,139 @@
+"""Slot-based static KV cache, shared layout for target and draft models.
+
+Why not transformers' cache classes: a speculative round needs *ragged* rows (each row its own
+length, its own number of new tokens, its own number of accepted tokens) and cheap rollback. With a
+preallocated slot per running sequence, rollback is just "set the row's length back"; positions
+past a row's length hold stale values that the causal mask by position never lets a valid query
+read, and the next write overwrites them. The shapes are static (``[slots, kv_heads, max_len + 1,
+head_dim]`` per layer), which is what the fast-forward path (torch.compile / CUDA graphs) needs.
+
+Column ``max_len`` of every slot is a scratch column: padded query positions (rows shorter than
+the longest row of a batch forward) write there, so padding never touches real positions.
+Each layer's K and V are tensors of their own (``k[i]``, ``v[i]``), not views of one
+``[layers, ...]`` tensor: the compiled path (engine/model/compiled.py) writes a group of layers'
+caches in place as inputs of one graph, and views of one shared tensor as such inputs made
+inductor copy a whole layer's cache on every write (decode steps orders of magnitude slower).
+The committed lengths live on the host as Python ints: they are bookkeeping, never a device sync.
+
+Memory: on CPU the cache is allocated zeroed by ``calloc`` (through numpy), whose large blocks are
+fresh pages the kernel maps on first write, so resident memory grows with the tokens actually
+cached, not with the ``slots x max_len`` reserved.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on CPU from calloc'd memory, resident only where written (see the docstring)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    try:  # numpy asks for huge pages on big arrays: one write would make 2 MiB resident
+        multiarray = importlib.import_module("numpy._core.multiarray")
+    except ImportError:  # numpy < 2
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    _set_madvise_hugepage = multiarray._set_madvise_hugepage  # private, not in numpy's stubs
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    before = _set_madvise_hugepage(False)
+    try:
+        buf = np.zeros(n, dtype=np.uint8)
+    finally:
+        _set_madvise_hugepage(before)
+    return torch.from_numpy(buf).view(dtype).view(shape)
+
+
+class CacheFullError(RuntimeError):
+    pass
+
+
+class SlotKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
+        shape = (num_slots, kv_heads, max_len + 1, head_dim)
+        # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
+        # uninitialised memory may hold NaN (0 * NaN = NaN).
+        # per layer: [slots, kv_heads, max_len+1, head_dim]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+
+    @property
+    def scratch_pos(self) -> int:
+        return self.max_len
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, slot: int | None = None) -> int:
+        """Take a free slot (a specific one when given: a draft cache mirrors the target's)."""
+        if slot is None:
+            if not self._free:
+                raise CacheFullError("no free KV cache slot")
+            slot = self._free.pop()
+        else:
+            self._free.remove(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            return
+        self.lengths[slot] = 0
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
+    def used_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def positions(
+        self, starts: list[int], counts: list[int], q: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host-built index tensors ``[batch, q]`` (no device sync) for rows feeding ``counts[b]``
+        tokens at ``starts[b]``: the position of every query token, and where its K/V is written
+        (padding past a row's count goes to the scratch column)."""
+        pos = torch.tensor(
+            [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
+        )  # [batch, q]
+        valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
+        write_pos = torch.where(valid, pos, torch.full_like(pos, self.scratch_pos))
+        return pos, write_pos
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` holds the first ``length`` positions of slot ``src`` (a shared prompt)."""
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]
+        self.lengths[dst] = length
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget every position >= ``length`` (they stay in memory but are never read again)."""
+        if length > self.lengths[slot]:
+            raise ValueError(f"rollback to {length} past committed length {self.lengths[slot]}")
+        self.lengths[slot] = length
+
+    def commit(self, slot: int, length: int) -> None:
+        if length > self.max_len:
+            raise ValueError(f"length {length} exceeds the cache's max_len {self.max_len}")
+        self.lengths[slot] = length

@@ -1,0 +1,204 @@
+"""The scheduler: which sequences wait, prefill and run, which KV slot each holds, and when one
+finishes.
+
+States: ``waiting`` (queued, no slot) -> ``prefilling`` (holds a slot, prompt not fully in the
+cache) -> ``running`` (prompt in the cache, decoding in rounds) -> finished (slot freed).
+
+Invariants:
+  * A sequence holds a target KV slot exactly while it is prefilling or running.
+  * Between rounds, the target cache of a running sequence holds every token but the last one,
+    which is fed as the first verify token of the next round (:meth:`postprocess` commits it so).
+  * Fairness: one group (the choices of one client request) holds at most
+    ``max_slots_per_group`` slots and ``max_prefill_per_group`` prefill seats at once, so a
+    request with many choices never takes the whole engine; a sequence past its group's cap
+    waits while later arrivals of other groups are admitted.
+  * Chunked prefill: at most ``prefill_chunk_tokens`` prompt tokens per step, so a long prompt
+    never stalls the running streams for more than one chunk's forward.
+  * Shared prefill: choices of one group with the same prompt prefill once. The first admitted
+    is the lead; the others (``lead`` set) take no prefill seat and no chunk, and copy the lead's
+    prompt KV into their slots when its prefill completes (:meth:`followers`).
+
+Seam for a paged or prefix-shared KV cache and preemption: slots are taken in :meth:`_admit` and
+returned in :meth:`finish` only; a block allocator (or prefix sharing) replaces
+``cache.allocate`` / ``cache.free`` there, and preemption is :meth:`finish` without the
+FINISHED state plus a re-queue in ``waiting``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.model.kv_cache import SlotKVCache
+from engine.requests.sequence import Sequence, Status
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int  # prompt tokens already in the cache
+    tokens: list[int]  # the prompt tokens this step feeds
+
+    @property
+    def completes(self) -> bool:
+        return self.start + len(self.tokens) == len(self.seq.prompt_ids)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: SlotKVCache,
+        max_len: int,
+        eos_token_ids: tuple[int, ...],
+        max_prefill_per_step: int = 4,
+        prefill_chunk_tokens: int = 512,
+        max_slots_per_group: int | None = None,
+        on_release: Callable[[Sequence], None] | None = None,
+    ):
+        self.cache, self.max_len, self.eos_token_ids = cache, max_len, eos_token_ids
+        self.max_prefill_per_step = max_prefill_per_step  # sequences prefilling at once
+        self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)  # prompt tokens per step
+        slots = cache.num_slots
+        self.max_slots_per_group = max_slots_per_group or max(1, slots - slots // 4)
+        self.max_prefill_per_group = max(1, max_prefill_per_step // 2)
+        self.on_release = on_release  # called before a sequence's slot is freed (the drafter)
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # -- schedule -------------------------------------------------------------------------------
+    def schedule_prefill(self) -> list[PrefillChunk]:
+        """Admit waiting sequences into free slots, then pick this step's prompt chunks."""
+        self._admit()
+        budget, chunks = self.prefill_chunk_tokens, []
+        for s in self.prefilling:
+            if budget <= 0:
+                break
+            if s.lead is not None:  # it copies its lead's prefill (:meth:`followers`)
+                continue
+            start = self.cache.lengths[s.slot]
+            chunk = s.prompt_ids[start : start + budget]
+            chunks.append(PrefillChunk(s, start, chunk))
+            budget -= len(chunk)
+        return chunks
+
+    def _admit(self) -> None:
+        held: dict[str, int] = {}
+        seats: dict[str, int] = {}
+        for s in self.running:
+            held[s.group] = held.get(s.group, 0) + 1
+        for s in self.prefilling:
+            held[s.group] = held.get(s.group, 0) + 1
+            seats[s.group] = seats.get(s.group, 0) + 1
+        for s in list(self.waiting):
+            if not self.cache.num_free():
+                return
+            # a choice whose prompt a choice of its group is prefilling shares that prefill: it
+            # takes a slot but no prefill seat or compute
+            s.lead = next(
+                (
+                    p
+                    for p in self.prefilling
+                    if p.group == s.group and p.lead is None and p.prompt_ids == s.prompt_ids
+                ),
+                None,
+            )
+            prefilling = sum(p.lead is None for p in self.prefilling)  # followers feed nothing
+            if s.lead is None and prefilling >= self.max_prefill_per_step:
+                return
+            if held.get(s.group, 0) >= self.max_slots_per_group or (
+                s.lead is None and seats.get(s.group, 0) >= self.max_prefill_per_group
+            ):
+                s.lead = None
+                continue  # its group is at its cap: later arrivals of other groups go first
+            self.waiting.remove(s)
+            s.slot = self.cache.allocate()
+            s.status, s.admitted = Status.RUNNING, time.perf_counter()
+            self.prefilling.append(s)
+            held[s.group] = held.get(s.group, 0) + 1
+            seats[s.group] = seats.get(s.group, 0) + (s.lead is None)
+
+    def prefilled(self, chunk: PrefillChunk) -> None:
+        """The chunk's tokens are in the cache; a sequence whose prompt is complete leaves
+        ``prefilling`` (it joins ``running`` once its first token is sampled)."""
+        self.cache.commit(chunk.seq.slot, chunk.start + len(chunk.tokens))
+        if chunk.completes:
+            self.prefilling.remove(chunk.seq)
+
+    def followers(self, lead: Sequence) -> list[Sequence]:
+        """The choices waiting to copy ``lead``'s prefill (now complete): they leave
+        ``prefilling`` with ``lead``'s prompt committed to their own slots."""
+        out = [s for s in self.prefilling if s.lead is lead]
+        for s in out:
+            self.cache.copy(lead.slot, s.slot, len(s.prompt_ids))
+            s.lead = None
+            self.prefilling.remove(s)
+        return out
+
+    def start_running(self, seqs: list[Sequence]) -> None:
+        self.running += [s for s in seqs if s.status is Status.RUNNING]
+
+    # -- postprocess ----------------------------------------------------------------------------
+    def postprocess(self, s: Sequence, tokens: list[int]) -> list[int]:
+        """Append ``tokens`` up to the first stop condition (stop id / EOS, max_tokens, the
+        context) and commit the target cache, or finish the sequence. Returns what was kept."""
+        stops = set(s.params.stop_token_ids)
+        if not s.params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        limit = min(s.remaining, self.max_len - s.num_tokens)
+        out: list[int] = []
+        reason = None
+        for t in tokens:
+            out.append(t)
+            if t in stops:
+                reason = "stop"
+                break
+            if len(out) >= limit:
+                reason = "length"
+                break
+        s.append(out)
+        if reason is None and s.num_tokens >= self.max_len:
+            reason = "length"
+        if reason is not None:
+            self.finish(s, reason)
+        else:
+            self.cache.commit(s.slot, s.num_tokens - 1)
+        return out
+
+    def retire(self) -> None:
+        """Drop finished sequences from ``running`` (after a round's postprocess)."""
+        self.running = [s for s in self.running if s.status is Status.RUNNING]
+
+    def finish(self, s: Sequence, reason: str) -> None:
+        s.status, s.finish_reason = Status.FINISHED, reason
+        heir = None  # a lead that ends early: its first follower leads the others
+        for f in self.prefilling:
+            if f.lead is s:
+                f.lead, heir = heir, heir or f
+        if s.slot >= 0:
+            if self.on_release is not None:
+                self.on_release(s)
+            self.cache.free(s.slot)
+            s.slot = -1
+
+    def abort(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                return True
+        for group in (self.prefilling, self.running):
+            for seq in group:
+                if seq.request_id == request_id:
+                    self.finish(seq, "abort")
+                    group.remove(seq)
+                    return True
+        return False

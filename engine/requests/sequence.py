@@ -1,0 +1,132 @@
+"""One request's state inside the engine.
+
+Invariants of a :class:`Sequence`:
+  * ``output_ids`` only grows, through :meth:`Sequence.append`; :meth:`token_array` is then a
+    view of prompt + output kept incrementally (no per-round rebuild of the token list).
+  * ``slot`` is the KV-cache slot the sequence holds while prefilling or running, -1 otherwise.
+  * ``group`` names the client request the sequence belongs to (choices of one request share
+    it): the scheduler caps what one group holds at once, so other requests keep flowing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.kcontrol.state import KState
+from engine.round.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Per-request speculation settings (already validated and capped by the server config)."""
+
+    enabled: bool = True
+    k: int | None = None  # a fixed K for every round; None: the engine's controller decides
+    k_max: int | None = None  # cap on the controller's K for this request (None: engine's k_max)
+
+
+@dataclass
+class RoundStats:
+    """What one speculative round did for one row."""
+
+    k: int  # draft length asked for
+    drafted: int  # tokens the drafter actually proposed (n-gram may find fewer than k)
+    accepted: int
+    emitted: int  # tokens appended to the output (after stop conditions)
+    draft_s: float  # wall time of the batch's propose phase
+    verify_s: float  # wall time of the batch's verify forward (and target probabilities)
+    width: int = 0  # the batch's padded draft width (the verify fed width + 1 tokens per row)
+    accept_s: float = 0.0  # wall time of the batch's accept phase (rejection rule + host sync)
+    forced: int = 0  # tokens the grammar forced that were drafted for free and kept (forced.py)
+
+
+@dataclass
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it (the raw model's, no
+    temperature or processing), and the top alternatives as (token id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams
+    generator: torch.Generator | None = None  # a seeded request's own; None: the engine's
+    arrival: float = 0.0  # time.perf_counter() when the engine took the request
+    admitted: float | None = None  # when it got a KV slot (queue time = admitted - arrival)
+    group: str = ""  # the client request it belongs to ("" = its own request_id)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    slot: int = -1
+    # a choice whose prompt another choice of its group is prefilling: it takes a copy of that
+    # prefill (KV and drafter state) when it completes instead of prefilling again
+    lead: Sequence | None = field(default=None, repr=False)
+    # with params.grammar: its llguidance matcher, standing at the committed output (grammar.py)
+    matcher: Any = field(default=None, repr=False)
+    # running totals, for usage and metrics
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    kstate: KState = field(default_factory=KState)  # the K controller's view of this request
+    # with params.prompt_logprobs: per prompt token (None for the first) its log-probability
+    # under the model and its top alternatives, filled chunk by chunk as the prompt is prefilled
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    _buf: np.ndarray = field(init=False, repr=False)  # prompt + output, then spare room
+    _len: int = field(init=False, repr=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id
+        n = len(self.prompt_ids) + len(self.output_ids)
+        self._buf = np.empty(max(16, 2 * n), dtype=np.int64)
+        self._buf[: len(self.prompt_ids)] = self.prompt_ids
+        self._buf[len(self.prompt_ids) : n] = self.output_ids
+        self._len = n
+
+    def append(self, tokens: list[int]) -> None:
+        """Append emitted tokens to the output (the only way the output grows)."""
+        end = self._len + len(tokens)
+        if end > len(self._buf):
+            grown = np.empty(max(2 * len(self._buf), end), dtype=np.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : end] = tokens
+        self._len = end
+        self.output_ids += tokens
+
+    def token_array(self) -> np.ndarray:
+        """Prompt + output as a read-only int64 view (valid until the next :meth:`append`)."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self._len
+
+    @property
+    def last_token(self) -> int:
+        return int(self._buf[self._len - 1])
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)

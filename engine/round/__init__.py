@@ -1,0 +1,2 @@
+"""One speculative round's math: plan, sampling, penalties, grammar, forced tokens, the rejection
+rule, the step's output."""

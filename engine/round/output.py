@@ -1,0 +1,93 @@
+"""What a step hands back per request, and the round's one device->host transfer.
+
+Invariant: a round reads the device once. :func:`to_host` packs the acceptance result (accepted
+count, next token, drafted tokens) and, when a row asked for them, the log-probabilities of the
+emitted tokens and their top alternatives into one float64 tensor (token ids are exact in float64)
+and reads it with a single ``tolist()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.requests.sequence import PromptLogprob, RoundStats, Sequence, Status
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: RoundStats | None = None  # None for the token sampled from the prefill
+    seq: Sequence | None = field(default=None, repr=False)
+    # target log-probabilities (after temperature / top-k / top-p) of each new token, and the
+    # top-n alternatives as (token id, logprob), when the request asked for logprobs
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    passes: int = 1  # target passes this output covers (more when a reader's buffer merged)
+    # the prompt's log-probabilities (SamplingParams.prompt_logprobs), on a sequence's first output
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+
+
+@dataclass
+class HostRow:
+    """One row of the round's result, on the host."""
+
+    accepted: int  # leading drafted tokens kept
+    next_token: int  # the recovered or bonus token
+    drafts: list[int]  # [K] drafted tokens (padded)
+    chosen: list[float] | None  # [K+1] log-prob of the emitted token at each verified position
+    top_ids: list[list[int]] | None  # [K+1][n]
+    top_lps: list[list[float]] | None  # [K+1][n]
+
+
+def to_host(
+    probs: torch.Tensor,  # [batch, K+1, vocab] processed target probabilities
+    drafts: torch.Tensor,  # [batch, K] long
+    num_acc: torch.Tensor,  # [batch] long
+    next_tok: torch.Tensor,  # [batch] long
+    top_n: int | None,  # the most top alternatives any row asked for; None: no row wants logprobs
+) -> list[HostRow]:
+    """The round's single device->host read (see the module docstring)."""
+    batch, k1, _ = probs.shape
+    k = k1 - 1
+    parts = [num_acc[:, None], next_tok[:, None], drafts]
+    n = max(top_n or 0, 1)
+    if top_n is not None:
+        rows = torch.arange(batch, device=probs.device)
+        pad = torch.zeros(batch, 1, dtype=drafts.dtype, device=drafts.device)
+        ids = torch.cat([drafts, pad], 1)  # [batch, K+1]
+        ids[rows, num_acc] = next_tok  # the emitted token at each verified position
+        logp = torch.log(probs).clamp_min(-9999.0)  # [batch, K+1, vocab]; -inf -> -9999 (JSON)
+        chosen = logp.gather(-1, ids[..., None]).squeeze(-1)  # [batch, K+1]
+        top = logp.topk(n, dim=-1)  # [batch, K+1, n]
+        parts += [chosen, top.indices.flatten(1), top.values.flatten(1)]
+    packed = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()  # the one sync
+    out = []
+    for row in packed:
+        a, tok, rest = int(row[0]), int(row[1]), row[2:]
+        drafted = [int(t) for t in rest[:k]]
+        chosen_l = top_ids = top_lps = None
+        if top_n is not None:
+            chosen_l = rest[k : k + k1]
+            flat_ids, flat_lp = rest[k + k1 : k + k1 + k1 * n], rest[k + k1 + k1 * n :]
+            top_ids = [[int(t) for t in flat_ids[j * n : (j + 1) * n]] for j in range(k1)]
+            top_lps = [flat_lp[j * n : (j + 1) * n] for j in range(k1)]
+        out.append(HostRow(a, tok, drafted, chosen_l, top_ids, top_lps))
+    return out
+
+
+def make_output(
+    s: Sequence, emitted: list[int], stats: RoundStats | None, row: HostRow
+) -> StepOutput:
+    """The output of one row: its emitted tokens, and their logprobs if the request asked."""
+    out = StepOutput(s.request_id, emitted, s.status is Status.FINISHED, s.finish_reason, stats, s)
+    if s.params.logprobs is not None and row.chosen is not None:
+        n, k = len(emitted), s.params.logprobs
+        assert row.top_ids is not None and row.top_lps is not None
+        out.logprobs = row.chosen[:n]
+        out.top_logprobs = [list(zip(row.top_ids[j][:k], row.top_lps[j][:k])) for j in range(n)]
+    return out

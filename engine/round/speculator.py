@@ -1,0 +1,210 @@
+"""One speculative round for every running sequence at once, top to bottom:
+
+  1. plan     -- each row's K (capped by its remaining tokens and the context), sampling params
+                 and random draws (plan.py): host decisions only.
+  2. propose  -- the drafter proposes up to K_i tokens per row (ragged rows, padded to the widest);
+                 a row whose grammar forces its next tokens drafts those instead (forced.py).
+  3. verify   -- one target forward over [last token, d_1..d_K_i] of every row; logit bias,
+                 penalties (penalties.py) and grammar masks (grammar.py) at position i count
+                 d_1..d_i as output.
+  4. accept   -- the exact rejection rule (rejection.py defines accepted, recovered and bonus
+                 tokens, and K); the round's one device->host sync reads its result (output.py)
+                 (rows with a grammar read their drafts once before: grammar.py).
+  5. commit   -- append the emitted tokens (cut at stop conditions), commit the target cache to
+                 ``len(tokens) - 1`` and roll the drafter's state back to what was kept.
+
+K_i comes from the controller (k_control.py) or a forced run: ``k_for`` in the plan, ``observe``
+in the commit loop (with K = 0 for a forced row: the grammar's drafts say nothing of the
+drafter), ``end_round`` with the round's measured times. Drafter faults make a plain round for
+their rows (drafters/guard.py). The first token of a sequence is sampled from its prefill's
+logits by :meth:`Speculator.first_tokens`, the same rule with K = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from engine.drafters.guard import GuardedDrafter
+from engine.kcontrol.controller import KController
+from engine.kcontrol.timing import PhaseClock
+from engine.model.runner import ModelRunner
+from engine.requests.scheduler import Scheduler
+from engine.requests.sequence import RoundStats, Sequence, Status
+from engine.round.forced import forced_run, with_forced
+from engine.round.grammar import advance, apply_grammar
+from engine.round.output import StepOutput, make_output, to_host
+from engine.round.penalties import apply_penalties
+from engine.round.plan import RoundPlan, make_plan
+from engine.round.rejection import rejection_sample
+from engine.round.sampling import logits_to_probs
+from engine.transfer import to_device
+
+AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # rejection_sample's signature
+
+
+class Speculator:
+    """Runs rounds over a target, a (guarded) drafter and a K controller."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: GuardedDrafter | None,
+        controller: KController,
+        scheduler: Scheduler,
+        k_max: int,
+        rng: torch.Generator,
+    ):
+        self.target, self.drafter, self.controller = target, drafter, controller
+        self.scheduler, self.k_max, self.rng = scheduler, k_max, rng
+        self.device, self.vocab_size = target.device, target.vocab_size
+        # the acceptance rule; only a benchmark swaps it (synthetic acceptance, not lossless)
+        self.accept: AcceptRule = rejection_sample
+
+    def round(self, seqs: list[Sequence]) -> list[StepOutput]:
+        t_start = time.perf_counter()
+        # 1. plan: a row the grammar forces drafts its forced run (forced.py), the others ask
+        # the controller for K; K_i of the plan is the run's length or the K asked
+        caps = [self.k_cap(s) for s in seqs]
+        forced = [forced_run(s, cap) for s, cap in zip(seqs, caps)]
+        asked = [0 if f else self.controller.k_for(s, cap) for s, cap, f in zip(seqs, caps, forced)]
+        plan = self._plan(seqs, [len(f) or k for f, k in zip(forced, asked)])
+        # 2. propose
+        clock = PhaseClock(self.device)  # the draft and verify phases' device time
+        clock.mark()
+        prop, catch_up = None, 0  # catch_up: positions beyond one a row the drafter takes in first
+        if self.drafter is not None and any(asked):
+            catch_up = sum(s.kstate.backlog for s, k in zip(seqs, asked) if k)
+            prop = self.drafter.propose(seqs, replace(plan, ks=asked))
+        if prop is not None:
+            drafts, num_draft, draft_probs = prop.tokens, prop.num, prop.probs  # [batch, K]
+        else:
+            drafts = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+            num_draft, draft_probs = [0] * len(seqs), None
+        if any(forced):
+            drafts, num_draft, draft_probs = with_forced(drafts, num_draft, draft_probs, forced)
+        kmax = drafts.shape[1]
+        clock.mark()
+        # 3. verify: one target pass over [last token, d_1..d_K] per row
+        verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
+        counts = [n + 1 for n in num_draft]
+        logits = self.target.forward(verify_ids, [s.slot for s in seqs], counts, logits="all")
+        if self.drafter is not None:  # the target's features of these positions (EAGLE-3)
+            starts = [s.num_tokens - 1 for s in seqs]
+            self.drafter.observe(seqs, self.target.tapped, starts, counts)
+        logits = self._process(logits, seqs, drafts, num_draft)  # [batch, K+1, vocab]
+        top_n = self._top_n(seqs)
+        probs = self._probs(logits, plan, top_n)  # [batch, K+1, vocab]
+        clock.mark()
+        tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
+        # 4. accept, and the round's one device->host sync
+        num_t = to_device(num_draft, torch.long, self.device)
+        uniforms = plan.uniforms[:, :kmax]
+        num_acc, next_tok = self.accept(
+            probs, drafts, num_t, draft_probs, plan.greedy, uniforms, plan.noise
+        )
+        rows = to_host(probs, drafts, num_acc, next_tok, top_n)
+        t2 = time.perf_counter()
+        draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
+        # 5. commit / rollback
+        outputs = []
+        for s, k, n, f, row in zip(seqs, asked, num_draft, forced, rows):
+            kept = row.accepted
+            # a forced run is the grammar's draft, not the drafter's: counted apart
+            nd, a, free = (0, 0, kept) if f else (n, kept, 0)
+            s.drafted, s.accepted, s.target_passes = (
+                s.drafted + nd,
+                s.accepted + a,
+                s.target_passes + 1,
+            )
+            emitted = self.scheduler.postprocess(s, row.drafts[:kept] + [row.next_token])
+            advance(s, emitted)
+            stats = RoundStats(k, nd, a, len(emitted), draft_s, verify_s, kmax, t2 - tv, free)
+            next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
+            self.controller.observe(s, k, stats, next_cap)
+            outputs.append(make_output(s, emitted, stats, row))
+        if self.drafter is not None:
+            live = [s for s in seqs if s.status is Status.RUNNING and s.spec.enabled]
+            self.drafter.commit(live)
+            self._note_backlogs(live)
+        t3 = time.perf_counter()
+        width = max(asked)  # the drafter's own steps: forced runs cost it none
+        steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
+        rest_s = (t3 - t_start) - draft_s
+        self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up)
+        return outputs
+
+    def _note_backlogs(self, seqs: list[Sequence]) -> None:
+        """Each row's drafter backlog, read once its drafter state changed (k_control.py prices
+        the catch-up; the next round sums it over its drafting rows)."""
+        assert self.drafter is not None
+        for s, n in zip(seqs, self.drafter.backlogs(seqs)):
+            s.kstate.backlog = n
+
+    def first_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+        """Sample each new sequence's first token from its prefill's last logits [new, vocab]."""
+        if self.drafter is not None:
+            self.drafter.add(seqs, lazy=not self.controller.expects_drafts())
+            self._note_backlogs([s for s in seqs if s.spec.enabled])
+        plan = self._plan(seqs, [0] * len(seqs))
+        empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+        logits = self._process(logits[:, None], seqs, empty, [0] * len(seqs))  # [new, 1, vocab]
+        top_n = self._top_n(seqs)
+        probs = self._probs(logits, plan, top_n)
+        num_acc, next_tok = rejection_sample(
+            probs, empty, plan.num_zero, None, plan.greedy, plan.uniforms, plan.noise
+        )
+        rows = to_host(probs, empty, num_acc, next_tok, top_n)  # the one sync
+        outputs = []
+        for s, row in zip(seqs, rows):
+            s.target_passes += 1
+            emitted = self.scheduler.postprocess(s, [row.next_token])
+            advance(s, emitted)
+            outputs.append(make_output(s, emitted, None, row))
+        return outputs
+
+    def k_cap(self, s: Sequence) -> int:
+        """The most a row may draft: its k_max, and never past max_tokens (a round emits at most
+        K + 1) or the context."""
+        if self.drafter is None or not s.spec.enabled:
+            return 0
+        k_max = min(s.spec.k_max, self.k_max) if s.spec.k_max is not None else self.k_max
+        return max(0, min(k_max, s.remaining - 1, self.target.max_len - s.num_tokens))
+
+    def _plan(self, seqs: list[Sequence], ks: list[int]) -> RoundPlan:
+        sample_drafts = (  # a sampling drafter draws noise for the rows that sample
+            any(ks)
+            and self.drafter is not None
+            and self.drafter.inner.samples
+            and any(not s.params.greedy for s in seqs)
+        )
+        return make_plan(seqs, ks, self.vocab_size, self.device, self.rng, sample_drafts)
+
+    @staticmethod
+    def _process(
+        logits: torch.Tensor, seqs: list[Sequence], drafts: torch.Tensor, num_draft: list[int]
+    ) -> torch.Tensor:
+        """Bias, penalties, then the grammar mask, at every verified position i as plain decoding
+        would apply them after d_1..d_i (penalties.py, grammar.py)."""
+        logits = apply_penalties(logits, seqs, drafts)
+        if any(s.matcher is not None for s in seqs):  # the drafts on the host (grammar rows)
+            host = [row[:n] for row, n in zip(drafts.tolist(), num_draft)]
+            logits = apply_grammar(logits, seqs, host)
+        return logits
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, plan: RoundPlan, top_n: int | None) -> torch.Tensor:
+        """The processed target's probabilities; when every row is greedy and none asked for
+        logprobs, the logits themselves (the rule takes only their argmax: rejection.py)."""
+        if plan.noise is None and top_n is None:
+            return logits
+        return logits_to_probs(logits, plan.temperature, plan.top_k, plan.top_p, plan.filter_rows)
+
+    @staticmethod
+    def _top_n(seqs: list[Sequence]) -> int | None:
+        """The most top alternatives a row asked for (0 = the chosen token's only), or None."""
+        want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        return max(want) if want else None

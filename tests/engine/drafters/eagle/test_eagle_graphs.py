@@ -1,0 +1,166 @@
+"""The EAGLE-3 head replayed as CUDA graphs (engine/drafters/eagle/graphs.py): padded buckets give
+the eager head's results, padding writes nothing but the scratch column (a smaller call after a
+larger one in the same bucket included), shapes past the buckets run eagerly, and an engine
+drafting through the captured head keeps greedy output equal to the target's alone. Without
+CUDA a replay re-runs the function on the static buffers (the plumbing); with
+``SPECD_TEST_DEVICE=cuda`` the graphs are recorded and replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.drafters.eagle.drafter import EagleDrafter
+from engine.drafters.eagle.graphs import HeadCapture
+from engine.drafters.eagle.step import head_forward
+from engine.requests.sequence import SpecParams
+from engine.round.sampling import SamplingParams
+from tests import helpers
+from tests.eagle_builders import (
+    HIDDEN,
+    LAYERS,
+    VOCAB,
+    call,
+    eagle_engine,
+    prompts,
+    random_head,
+)
+
+KV_ALIGN = 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    return helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
+
+
+def drafter(target, slots: int = 4, q_max: int = 8) -> tuple[EagleDrafter, HeadCapture]:
+    """A drafter over a random head with its cache filled at random, and a capture for it."""
+    d = eagle_engine(target, random_head(5), slots=slots, k=3).drafter
+    assert isinstance(d, EagleDrafter)
+    with torch.inference_mode():
+        for t, seed in ((d.cache.k[0], 0), (d.cache.v[0], 1)):  # (generated on the host)
+            g = torch.Generator().manual_seed(seed)
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
+    c = d.cache
+    return d, HeadCapture(c.scratch_pos, c.num_slots, KV_ALIGN, c.max_len, q_max)
+
+
+def test_padded_buckets_give_the_eager_heads_results(target):
+    """Rows, q and key lengths that pad up to their buckets (3 -> 4 rows, q 3 -> 4, 40 -> 64
+    keys), ingest and chain, and exact bucket sizes: outputs, logits and the K written are the
+    eager head's; each key is recorded once."""
+    d, cap = drafter(target)
+    shapes = [(3, 1, False, 40), (3, 3, True, 40), (1, 1, True, 19), (4, 4, True, 64),
+              (2, 5, True, 100), (1, 1, False, 7), (3, 1, False, 33)]  # fmt: skip
+    with torch.inference_mode():
+        for i, (rows, q, ingest, kv_len) in enumerate(shapes):
+            ref = call(d, head_forward, rows, q, ingest, kv_len, seed=i)
+            got = call(d, cap, rows, q, ingest, kv_len, seed=i)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert cap.calls == len(shapes) and cap.eager_calls == 0
+    assert cap.captures == len(cap.graphs) == 5  # 3 -> 4 rows and 33, 40 -> 64 keys; q 3, 4 -> 4
+    assert (4, 4, 64, True) in cap.graphs and (4, 1, 64, False) in cap.graphs
+
+
+def run_calls(d: EagleDrafter, fn, calls) -> tuple[torch.Tensor, torch.Tensor]:
+    """``calls``: (slots, start positions, q, ingest) each, written at those positions; returns
+    the head cache's K and V after all of them, the cache restored to what it held before."""
+    k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
+    g = torch.Generator().manual_seed(11)
+    dev = d.device
+    with torch.inference_mode():
+        for slots, starts, q, ingest in calls:
+            rows = len(slots)
+            width = d.head.fc.in_features if ingest else d.head.config.hidden_size
+            x = torch.randn(rows, q, width, generator=g).to(dev)
+            ids = torch.randint(0, VOCAB, (rows, q), generator=g).to(dev)
+            pos = (torch.tensor(starts)[:, None] + torch.arange(q)).to(dev)  # [rows, q]
+            kv = d.kv_idx[: -(-(max(starts) + q) // KV_ALIGN) * KV_ALIGN]
+            last = torch.full((rows,), q - 1, device=dev)
+            slot_t = torch.tensor(slots, device=dev)
+            fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slot_t,
+               d.shape, ingest)  # fmt: skip
+        after = d.cache.k[0].clone(), d.cache.v[0].clone()
+        d.cache.k[0].copy_(k0)
+        d.cache.v[0].copy_(v0)
+    return after
+
+
+def test_padding_writes_nothing_but_the_scratch_column(target):
+    """A call of four rows, then smaller ones in the same buckets (other slots, other positions,
+    rows out of slot order): every cache entry the rows did not write is unchanged, the written
+    ones are the eager head's; the stale rows and positions of the larger call write nothing."""
+    d, cap = drafter(target)
+    # the third call replays the first one's graph with three rows: a stale fourth row (slot 3,
+    # position 12) would write the first call's K there again, over the second call's
+    calls = [([0, 1, 2, 3], [30, 5, 60, 12], 1, False), ([3], [12], 1, False),
+             ([3, 1, 0], [13, 6, 40], 1, False), ([2], [61], 1, False), ([1, 3], [7, 14], 3, True),
+             ([0], [32], 2, True)]  # fmt: skip
+    before = d.cache.k[0].clone(), d.cache.v[0].clone()
+    ref = run_calls(d, head_forward, calls)
+    got = run_calls(d, cap, calls)
+    written = torch.zeros(d.cache.k[0].shape[0], d.cache.k[0].shape[2], dtype=torch.bool)
+    for slots, starts, q, _ in calls:
+        for s, st in zip(slots, starts):
+            written[s, st : st + q] = True
+    written[:, d.cache.scratch_pos] = True  # padding's column: anything may be there
+    assert cap.captures == 5 and cap.eager_calls == 0  # the third call's graph was the first's
+    for b, r, g in zip(before, ref, got):
+        untouched = ~written.to(b.device)  # [slots, positions] over [slots, heads, pos, dim]
+        assert torch.equal(g.transpose(1, 2)[untouched], b.transpose(1, 2)[untouched])
+        keep = written.clone()
+        keep[:, d.cache.scratch_pos] = False
+        keep = keep.to(b.device)
+        torch.testing.assert_close(g.transpose(1, 2)[keep], r.transpose(1, 2)[keep])
+
+
+def test_shapes_past_the_buckets_run_eagerly(target):
+    """An ingest longer than the largest q bucket (a prompt's, at admission) runs the eager
+    function: the same results, nothing recorded."""
+    d, cap = drafter(target, q_max=4)
+    with torch.inference_mode():
+        ref = call(d, head_forward, 2, 9, True, 40, seed=3)
+        got = call(d, cap, 2, 9, True, 40, seed=3)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert cap.eager_calls == 1 and cap.captures == 0
+
+
+def test_greedy_with_the_captured_head_equals_plain_and_drafts_as_the_eager_head(target):
+    """Every bucket captured at warm-up; ragged batches (rows joining and leaving) drafting
+    through the captured head emit exactly the target's greedy output and accept what the eager
+    head's drafts accept (on CPU the same per request; a replay on CUDA may round otherwise:
+    within 10% in all), the head never fell back to eager and nothing is recorded after warm-up:
+    the generation replayed graphs (counted from after the warm-up, which replays none) and ran
+    the eager head only for ingests longer than the buckets, at most one a prompt.
+    (Output is exact whatever the head drafts: the acceptance is what shows a wrong head.)"""
+    engine = eagle_engine(target, random_head(11), slots=4, k=3)  # its layer reads its cache
+    d = engine.drafter
+    assert isinstance(d, EagleDrafter)
+    d.compile(capture_kv_align=KV_ALIGN)
+    d.warm_up()
+    cap = d.forward
+    assert isinstance(cap, HeadCapture) and not cap.eager
+    graphs = len(cap.graphs)
+    rows, kv, q = len(cap.row_buckets), len(cap.kv_buckets), len(cap.q_buckets)
+    assert graphs == cap.captures == rows * kv * (q + 1)  # ingest q buckets and the chain step
+    g = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(6, seed=5)
+    plain = helpers.engine_for(target, None, slots=4)
+    refs = [plain.generate([p], g)[0].output_ids for p in ps]
+    eager = eagle_engine(target, random_head(11), slots=4, k=3).generate(ps, g, SpecParams(k=3))
+    calls, eager_calls = cap.calls, cap.eager_calls
+    outs = engine.generate(ps, g, SpecParams(k=3))
+    assert [s.output_ids for s in outs] == refs
+    helpers.assert_speculated(outs)
+    assert cap.calls > calls and cap.eager_calls - eager_calls <= len(ps)
+    got, ref = [s.accepted for s in outs], [s.accepted for s in eager]
+    if d.device.type == "cpu":
+        assert got == ref
+    else:
+        assert abs(sum(got) - sum(ref)) <= 0.1 * sum(ref)
+    assert sum(ref) > 0 and sum(ref) < sum(s.drafted for s in eager)  # some right, some wrong
+    assert d.forward is cap and cap.captures == graphs
+    assert engine.drafter_failures == 0 and d.cache.used_tokens() == 0

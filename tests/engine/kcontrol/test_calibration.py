@@ -1,0 +1,138 @@
+"""Start-up calibration on tiny random models: the points it adds, its slot hygiene, and that
+every forward it times goes through engine.kcontrol.timing."""
+
+import pytest
+
+import engine.kcontrol.timing
+from engine.kcontrol.calibration import calibrate
+from engine.kcontrol.controller import AdaptiveK
+from engine.kcontrol.cost import RoundCost
+from engine.model.runner import ModelRunner
+
+
+class Recorder:
+    """A CostModel that records the calibration points it is given."""
+
+    def __init__(self):
+        self.shape = lambda batch, q: (batch, q)
+        self.points, self.steps = [], []
+
+    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0):
+        pass
+
+    def predict(self, batch, width, steps, catch_up=0):
+        return 1.0
+
+    def add_calibration(self, batch, width, seconds):
+        self.points.append((batch, width, seconds))
+
+    def add_step_calibration(self, batch, seconds, catch_up=0):
+        self.steps.append((batch, seconds, catch_up))
+
+
+@pytest.fixture
+def runners(models):
+    target, draft = models
+    return ModelRunner(target, num_slots=6, max_len=128), ModelRunner(
+        draft, num_slots=6, max_len=128
+    )
+
+
+def assert_all_free(*rs):
+    for r in rs:
+        assert r.cache.num_free() == 6 and r.cache.used_tokens() == 0
+
+
+def test_adds_points_at_the_calibration_shapes(runners):
+    target, draft = runners
+    cost = Recorder()
+    calibrate(cost, target, draft, target.cache.free_slots())
+    assert [(b, w) for b, w, _ in cost.points] == [(b, w) for b in (1, 4) for w in (0, 1, 3, 7)]
+    assert [(b, c) for b, _, c in cost.steps] == [(1, 0), (1, 7), (4, 0), (4, 28)]  # catch-ups
+    assert all(s > 0 for *_, s in cost.points) and all(s > 0 for _, s, _ in cost.steps)
+    assert_all_free(target, draft)
+
+
+def test_every_timed_forward_goes_through_engine_timing(runners, monkeypatch):
+    target, draft = runners
+    synced, forwards = [], []
+    real_sync = engine.kcontrol.timing.synchronize
+
+    def sync(device):
+        synced.append(device)
+        real_sync(device)
+
+    for r in (target, draft):
+        real = r.forward
+
+        def counting(*a, _real=real, **kw):
+            forwards.append(kw.get("logits"))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(r, "forward", counting)
+    monkeypatch.setattr(engine.kcontrol.timing, "synchronize", sync)
+    calibrate(Recorder(), target, draft, [0, 1], repeats=2)
+    timed_shapes = 2 * (4 + 2)  # batches {1, 2} x (4 target widths + 2 draft steps)
+    assert len(synced) == 2 * 2 * timed_shapes  # before and after each of 2 timed repeats
+    assert all(d == target.device for d in synced)
+    # 2 context forwards per runner, then 1 warm-up + 2 timed forwards per shape
+    assert forwards.count("all") == 3 * timed_shapes and len(forwards) == 4 + 3 * timed_shapes
+    assert_all_free(target, draft)
+
+
+def test_slots_are_freed_when_a_forward_fails(runners, monkeypatch):
+    target, draft = runners
+    real = target.forward
+
+    def failing(tokens, slots, counts=None, logits="last"):
+        if logits == "all":
+            raise RuntimeError("boom")
+        return real(tokens, slots, counts, logits)
+
+    monkeypatch.setattr(target, "forward", failing)
+    with pytest.raises(RuntimeError):
+        calibrate(Recorder(), target, draft, target.cache.free_slots())
+    assert_all_free(target, draft)
+
+
+def test_uses_only_the_free_slots_it_is_given(runners):
+    target, _ = runners
+    held = target.cache.allocate(0)
+    calibrate(Recorder(), target, None, target.cache.free_slots())
+    assert target.cache.num_free() == 5 and sorted(target.cache.free_slots()) == [1, 2, 3, 4, 5]
+    target.cache.free(held)
+    calibrate(Recorder(), target, None, [])  # no free slot: nothing to do
+    assert_all_free(target)
+
+
+def test_adaptive_calibrates_once_it_has_a_free_slot(runners):
+    target, draft = runners
+    ctrl = AdaptiveK(4, cost=None)
+    ctrl.calibrate(target, draft, [])
+    assert not ctrl.calibrated
+    ctrl.calibrate(target, draft, target.cache.free_slots())
+    assert ctrl.calibrated and isinstance(ctrl.cost, RoundCost)
+    # calibration points sit in the fit (times themselves vary with load: not compared)
+    assert ctrl.cost.rest.b_fixed[0] > 0 and ctrl.cost.draft.b_fixed[0] > 0
+    assert ctrl.cost.observed == 0
+    assert_all_free(target, draft)
+
+
+def test_times_the_lowest_free_slots(runners, monkeypatch):
+    """The compiled path runs a forward over the row bucket of slots [0, max slot], so the
+    calibration times the lowest free slots (free_slots lists them highest first): a batch of
+    one is timed as one row, not as the cache's last slot's bucket."""
+    target, _ = runners
+    seen: list[list[int]] = []
+    forward = target.forward
+
+    def spy(rows, slots, *args, **kwargs):
+        seen.append(list(slots))
+        return forward(rows, slots, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", spy)
+    calibrate(Recorder(), target, None, target.cache.free_slots())
+    assert target.cache.free_slots()[0] == 5  # highest first
+    assert {s for slots in seen for s in slots} == {0, 1, 2, 3}
+    assert [0] in seen and [0, 1, 2, 3] in seen
+    assert_all_free(target)
