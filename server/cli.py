@@ -74,9 +74,11 @@ def _config(args):
     if other_model and not drafter and cfg.drafter.method == "eagle3":
         # the config's EAGLE-3 head reads its own target's hidden states: another model
         # speculates with n-gram prompt lookup unless --drafter names a head for it
-        print(f"specd: {model}: the config's EAGLE-3 head is for its own model; drafting with "
-              "n-gram prompt lookup (--drafter eagle:PATH names a head for this one)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"specd: {model}: the config's EAGLE-3 head is for its own model; drafting with "
+            "n-gram prompt lookup (--drafter eagle:PATH names a head for this one)",
+            file=sys.stderr,
+        )
         cfg.drafter.method, cfg.drafter.source, cfg.drafter.ngram_fallback = "ngram", None, 0
     if drafter:
         method, _, source = drafter.partition(":")

@@ -20,7 +20,7 @@ from engine.model.runner import ModelRunner
 from engine.requests.sequence import Sequence
 from engine.round.grammar import DraftGrammar
 from engine.round.plan import RoundPlan
-from engine.round.sampling import logits_to_probs
+from engine.round.sampling import logits_to_probs, race
 from engine.transfer import to_device
 
 ADD_TOKENS = 2048  # the most padded prompt tokens one admission forward of the draft model takes
@@ -116,7 +116,7 @@ class ModelDrafter(DrafterBase):
             q = q[:, 0]  # [rows, vocab]
             row_t = to_device(rows, torch.long, dev)
             if noise is not None:
-                sampled = (q / noise[row_t, j]).argmax(-1)
+                sampled = race(q, noise[row_t, j])
                 tok = torch.where(greedy, q.argmax(-1), sampled)
             else:
                 tok = q.argmax(-1)

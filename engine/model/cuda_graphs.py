@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward, bucket
 from engine.model.group_graphs import GuardedGroups
 from engine.transfer import copy_into
@@ -113,8 +114,7 @@ class GraphForward(FastForward):
         except Exception as e:
             if self.groups is None:
                 raise
-            log.warning("fused %s forward failed (%s: %s); capturing the eager stack",
-                        self.runner.name, type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            warn_fallback(log, f"fused {self.runner.name} forward", e, "capturing the eager stack")
             self.groups, self.captured, self.captures = None, {}, 0
             self._capture_all()
         log.warning(

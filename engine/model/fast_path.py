@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward
 from engine.model.cuda_graphs import GraphForward
 
@@ -64,11 +65,5 @@ def warm_up(runner: ModelRunner) -> None:
 
 def disable(runner: ModelRunner, err: Exception) -> None:
     """Drop ``runner``'s compiled path after ``err`` (logged); it runs eagerly from then on."""
-    msg = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    log.warning(
-        "compiled %s forward failed (%s: %s); running eagerly from now on",
-        runner.name,
-        type(err).__name__,
-        msg[:300],
-    )
+    warn_fallback(log, f"compiled {runner.name} forward", err, "running eagerly from now on")
     runner.fast = None

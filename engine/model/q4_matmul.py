@@ -31,12 +31,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.fallback import warn_fallback
+
 log = logging.getLogger("specd.q4")
 GROUP = 32
 _SRC = Path(__file__).with_name("csrc") / "q4_avx512.cpp"
 _FLAGS = [
-    "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "f16c", "fma"
-]  # fmt: skip
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_vnni",
+    "f16c",
+    "fma",
+]
 _torch_only = [False]  # only_torch_kernel()
 
 
@@ -85,7 +94,7 @@ def probe_kernel(
     load: Callable[[], None],
     self_test: Callable[[], bool],
     logger: logging.Logger,
-    fallback: str = "",
+    fallback: str = "it is not used",
 ) -> bool:
     """Whether a C++ kernel runs here: the CPU lists ``flags``, ``load`` builds and loads it,
     and ``self_test`` agrees with its reference. A failure is logged on ``logger`` (``fallback``:
@@ -96,11 +105,10 @@ def probe_kernel(
         load()
         ok = self_test()
     except Exception as e:  # noqa: BLE001 -- no compiler or ninja, a failed build
-        logger.warning("%s unavailable (%s: %s)%s",
-                       what, type(e).__name__, str(e).strip()[:300], fallback)  # fmt: skip
+        warn_fallback(logger, what, e, fallback)
         return False
     if not ok:
-        logger.warning("%s disagrees with its reference%s", what, fallback)
+        logger.warning("%s disagrees with its reference; %s", what, fallback)
     return ok
 
 
@@ -110,8 +118,9 @@ def kernel_available() -> bool:
     process; ``SPECD_Q4_KERNEL=0`` switches it off)."""
     if os.environ.get("SPECD_Q4_KERNEL", "1") == "0":
         return False
-    return probe_kernel("specd's 4-bit kernel", _FLAGS, _load_library, _self_test, log,
-                        fallback="; using torch's")  # fmt: skip
+    return probe_kernel(
+        "specd's 4-bit kernel", _FLAGS, _load_library, _self_test, log, fallback="using torch's"
+    )
 
 
 def build_extension(name: str, src: Path, flags: list[str]) -> None:
@@ -124,8 +133,14 @@ def build_extension(name: str, src: Path, flags: list[str]) -> None:
     if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in flags]
-    load(name, [str(src)], extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-         is_python_module=False, verbose=False)  # fmt: skip
+    load(
+        name,
+        [str(src)],
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 @functools.cache

@@ -21,12 +21,14 @@ skips the softmax).
 
 Randomness comes in as tensors (``uniforms``, ``noise``) drawn by the caller from each request's
 own generator, so this function is deterministic and testable. A categorical sample is taken as an
-exponential race: argmax_i(w_i / E_i) with E_i ~ Exp(1) picks i with probability w_i / sum(w).
+exponential race (engine/round/sampling.py ``race``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.round.sampling import race
 
 
 def rejection_sample(
@@ -77,6 +79,6 @@ def rejection_sample(
         # p == q exactly leaves no residual mass (then rejection had probability 0); keep p.
         has_mass = residual.sum(-1, keepdim=True) > 0
         dist = torch.where(rejected[:, None] & has_mass, residual, p_next)
-    sampled = (dist / noise).argmax(-1)
+    sampled = race(dist, noise)
     next_token = torch.where(greedy, p_next.argmax(-1), sampled)
     return num_accepted, next_token

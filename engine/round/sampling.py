@@ -103,3 +103,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     mass_before = probs.cumsum(dim=-1) - probs
     sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None, None], float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """A categorical draw per row as an exponential race: ``argmax_i(w_i / E_i)`` with
+    ``E_i ~ Exp(1)`` (``noise``, drawn by the round's plan from the request's own generator)
+    picks i with probability ``w_i / sum(w)``; ``weights`` need not be normalised.
+    ``[..., vocab]`` -> ``[...]``."""
+    return (weights / noise).argmax(-1)

@@ -38,13 +38,14 @@ from engine.drafters.base import DrafterBase, Proposal
 from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.head import Eagle3Head
 from engine.drafters.eagle.step import HeadGraphs, HeadWeights, head_forward
+from engine.fallback import warn_fallback
 from engine.model.kv_cache import SlotKVCache
 from engine.model.layer import LayerShape
 from engine.model.weights import from_layer
 from engine.requests.sequence import Sequence
 from engine.round.grammar import DraftGrammar
 from engine.round.plan import RoundPlan
-from engine.round.sampling import logits_to_probs
+from engine.round.sampling import logits_to_probs, race
 from engine.transfer import to_device
 
 log = logging.getLogger("specd.eagle")
@@ -78,9 +79,15 @@ class EagleDrafter(DrafterBase):
         embed_w = self.embed.weight
         assert isinstance(embed_w, torch.Tensor)
         self.weights = HeadWeights(
-            embed_w, head.fc.weight, head.midlayer.hidden_norm.weight,
-            from_layer(head.midlayer), head.norm.weight, head.lm_head.weight, cos[0], sin[0],
-        )  # fmt: skip
+            embed_w,
+            head.fc.weight,
+            head.midlayer.hidden_norm.weight,
+            from_layer(head.midlayer),
+            head.norm.weight,
+            head.lm_head.weight,
+            cos[0],
+            sin[0],
+        )
         self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = head_forward  # or graphs
         self.draft_ids = head.draft_to_target  # [draft_vocab] target id of each draft id
         self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> [n, taps * hidden] pieces
@@ -159,8 +166,9 @@ class EagleDrafter(DrafterBase):
             self.forward = HeadGraphs(backend)
         else:  # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
             c = self.cache
-            self.forward = HeadCapture(c.scratch_pos, c.num_slots, capture_kv_align, c.max_len,
-                                       2 * WINDOW)  # fmt: skip
+            self.forward = HeadCapture(
+                c.scratch_pos, c.num_slots, capture_kv_align, c.max_len, 2 * WINDOW
+            )
 
     def warm_up(self) -> None:
         """Compile or capture every graph key on the scratch column (nothing committed is read
@@ -184,8 +192,7 @@ class EagleDrafter(DrafterBase):
         except Exception as e:  # a compile failure must not stop drafting
             if self.forward is head_forward:
                 raise
-            log.warning("compiled EAGLE-3 head failed (%s: %s); eager from now on",
-                        type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            warn_fallback(log, "compiled EAGLE-3 head", e, "eager from now on")
             self.forward = head_forward
             return head_forward(*args, *rest, self.shape, ingest)
 
@@ -246,13 +253,13 @@ class EagleDrafter(DrafterBase):
             q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)[:, 0]
             if noise is None:
                 return q.argmax(-1), q
-            return torch.where(greedy, q.argmax(-1), (q / noise[row_t, j]).argmax(-1)), q
+            return torch.where(greedy, q.argmax(-1), race(q, noise[row_t, j])), q
         if not sampled:
             return ids[draft_logits.argmax(-1)], None
         qd = torch.softmax(draft_logits / temp[:, None], dim=-1)  # [rows, draft_vocab]
         pick = qd.argmax(-1)
         if noise is not None:  # the exponential race over the draft vocabulary
-            pick = torch.where(greedy, pick, (qd / noise[row_t, j][:, ids]).argmax(-1))
+            pick = torch.where(greedy, pick, race(qd, noise[row_t, j][:, ids]))
         q = qd.new_zeros(len(rows), self.vocab_size)
         q[:, ids] = qd
         return ids[pick], q

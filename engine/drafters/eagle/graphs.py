@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.drafters.eagle.step import HeadWeights, head_forward
+from engine.fallback import warn_fallback
 from engine.model.compiled import bucket, default_buckets
 from engine.model.cuda_graphs import kv_buckets, record_on
 from engine.model.layer import LayerShape
@@ -123,11 +124,13 @@ class HeadCapture:
                                 self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
         except Exception as e:  # noqa: BLE001 -- drafting goes on, eagerly
             self.eager, self.graphs, self.inputs = True, {}, {}
-            log.warning("capturing the EAGLE-3 head failed (%s: %s); it runs eagerly",
-                        type(e).__name__, str(e).strip()[:300])  # fmt: skip
+            warn_fallback(log, "capturing the EAGLE-3 head", e, "it runs eagerly")
             return
-        log.warning("captured the EAGLE-3 head: %d graphs in %.1f s", len(self.graphs),
-                    time.perf_counter() - t0)  # fmt: skip
+        log.warning(
+            "captured the EAGLE-3 head: %d graphs in %.1f s",
+            len(self.graphs),
+            time.perf_counter() - t0,
+        )
 
     def _capture(self, key, width: int, w: HeadWeights, kc, vc, shape: LayerShape) -> _Graph:
         nb, qb, kv, ingest = key
@@ -136,8 +139,14 @@ class HeadCapture:
         if ins is None:  # one set of static inputs serves every key-length bucket of a shape
             longs = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
             x = torch.zeros(nb, qb, width, dtype=kc.dtype, device=dev)  # the head's dtype
-            ins = self.inputs[(nb, qb, ingest)] = (longs(nb, qb), x, longs(nb), longs(nb, qb),
-                                                   longs(nb, qb), longs(nb))  # fmt: skip
+            ins = self.inputs[(nb, qb, ingest)] = (
+                longs(nb, qb),
+                x,
+                longs(nb),
+                longs(nb, qb),
+                longs(nb, qb),
+                longs(nb),
+            )
         ids, x, last, pos, write_pos, slot_t = ins
         write_pos.fill_(self.scratch_pos)  # the runs before the recording write the scratch column
         kv_idx = torch.arange(kv, device=dev)

@@ -68,13 +68,20 @@ def quantized(w: HeadWeights, dtype: torch.dtype) -> HeadWeights:
     qkv = torch.cat([lw.q, lw.k, lw.v])  # type: ignore[list-item]
     gate_up = torch.cat([lw.gate, lw.up])  # type: ignore[list-item]
     layer = LayerWeights(
-        **(lw._asdict() | {
-            "qkv": quantize(qkv, dtype, (lw.q.shape[0], lw.k.shape[0], lw.v.shape[0])),
-            "q": None, "k": None, "v": None,
-            "gate_up": quantize(gate_up, dtype, (lw.gate.shape[0], lw.up.shape[0])),
-            "gate": None, "up": None,
-            "o": quantize(lw.o, dtype), "down": quantize(lw.down, dtype),
-        })
-    )  # fmt: skip
+        **(
+            lw._asdict()
+            | {
+                "qkv": quantize(qkv, dtype, (lw.q.shape[0], lw.k.shape[0], lw.v.shape[0])),
+                "q": None,
+                "k": None,
+                "v": None,
+                "gate_up": quantize(gate_up, dtype, (lw.gate.shape[0], lw.up.shape[0])),
+                "gate": None,
+                "up": None,
+                "o": quantize(lw.o, dtype),
+                "down": quantize(lw.down, dtype),
+            }
+        )
+    )
     assert isinstance(w.fc, torch.Tensor) and isinstance(w.lm_head, torch.Tensor)
     return w._replace(layer=layer, fc=quantize(w.fc, dtype), lm_head=quantize(w.lm_head, dtype))

@@ -111,8 +111,16 @@ class HeadGraphs:
                     x = torch.zeros(rows, q, width[not ingest], dtype=dtype, device=device)
                     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
                     scratch = torch.full((rows, q), scratch_pos, device=device)
-                    run(ids, x, [q - 1] * rows, list(range(rows)), torch.zeros_like(ids), scratch,
-                        1, ingest)  # fmt: skip
+                    run(
+                        ids,
+                        x,
+                        [q - 1] * rows,
+                        list(range(rows)),
+                        torch.zeros_like(ids),
+                        scratch,
+                        1,
+                        ingest,
+                    )
         log.info("compiled the EAGLE-3 head in %.1f s", time.perf_counter() - t0)
 
     @staticmethod
