@@ -228,6 +228,21 @@ class SpecEngine:
         draft = self.drafter.runner if self.drafter is not None else None
         return [self.target] + ([draft] if draft is not None else [])
 
+    def forward_paths(self) -> dict[str, str]:
+        """The path each forward takes now, by component: ``target``, ``draft`` (a draft
+        model's runner), ``head`` (the drafter's own step): see fast_path.path_of and the
+        drafters' ``own_path``. A compile or capture that failed shows here as ``eager``."""
+        from engine.model.fast_path import path_of
+
+        paths = {"target": path_of(self.target)}
+        draft = self.drafter.runner if self.drafter is not None else None
+        if draft is not None:
+            paths["draft"] = path_of(draft)
+        own = self.drafter.own_path() if self.drafter is not None else None
+        if own is not None:
+            paths["head"] = own
+        return paths
+
     def needs_warm_up(self) -> bool:
         return any(r.fast is not None for r in self.runners())
 
@@ -243,9 +258,10 @@ class SpecEngine:
                 self.drafter.warm_up()
             except Exception as e:  # noqa: BLE001 -- its rounds fail over to plain ones later
                 logging.getLogger("specd.engine").warning("drafter warm-up failed: %r", e)
+        paths = ", ".join(f"{k} {v}" for k, v in self.forward_paths().items())
+        logging.getLogger("specd.engine").warning("forward paths after warm-up: %s", paths)
 
-    # -- what the worker reads (engine/worker/worker.py's Engine protocol)
-    # ---------------------------
+    # -- what the worker reads (engine/worker/worker.py's Engine protocol) -------------------
     @property
     def accept(self) -> AcceptRule:
         """The round's acceptance rule; only a benchmark swaps it (synthetic acceptance)."""

@@ -33,6 +33,8 @@ class Engine(Protocol):
     @property
     def num_slots(self) -> int: ...
 
+    def forward_paths(self) -> dict[str, str]: ...  # component -> the path its forward takes
+
     def add_request(  # (request_id, prompt_ids, params, spec, group)
         self, rid: str, ids: list[int], p: SamplingParams, s: SpecParams | None, g: str | None, /
     ) -> object: ...

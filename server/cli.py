@@ -115,7 +115,7 @@ def cmd_serve(args) -> int:
     from engine.builder import build_engine
 
     from .assembly import assemble
-    from .settings import ServerSettings, load_config_file
+    from .settings import ServerSettings, load_config_file, unknown_env
 
     data = load_config_file(args.config)
     flags = {
@@ -129,6 +129,8 @@ def cmd_serve(args) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for warning in unknown_env():
+        logging.getLogger("specd").warning(warning)
     cfg = _config(args)
     server = assemble(build_engine(cfg), settings, engine_thread=False)
     what = f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter {cfg.drafter.method})"
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 type=float,
                 metavar="SECONDS",
                 help="SIGTERM drains: /ready and new requests answer 503, held requests finish; "
-                "the process exits by then (env SPECD_SHUTDOWN_TIMEOUT_S; default 25)",
+                "the process exits by then (env SPECD_SHUTDOWN_TIMEOUT; default 25)",
             )
         if name == "generate":
             p.add_argument("prompt", nargs="+", help="chat prompts, run together")

@@ -179,6 +179,14 @@ class Metrics:
         self._kv = Gauge(
             "specd_kv_cache_usage_ratio", "Share of the KV cache slots in use.", names, registry=r
         ).labels(**lab)
+        self._path = Gauge(
+            "specd_forward_path",
+            "1 for the path each component's forward takes now (target, draft, head: eager, "
+            "compiled, cuda-graphs, captured, +q4-<kernel>), 0 for a path it took before.",
+            names + ["component", "path"],
+            registry=r,
+        )
+        self._paths: dict[str, str] = {}  # component -> its path, as last set
 
         def vllm(name: str, doc: str):  # the same values under vLLM's names (the InferencePool)
             return Gauge(f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name"], registry=r)
@@ -246,6 +254,13 @@ class Metrics:
         if stats.get("kv_slots"):
             for g in self._kv_gauges:
                 g.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
+        for component, path in stats.get("forward_paths", {}).items():
+            before = self._paths.get(component)
+            if before != path:
+                if before is not None:  # a fallback (or a recovery) stays visible as a 0
+                    self._path.labels(**self._lab, component=component, path=before).set(0)
+                self._path.labels(**self._lab, component=component, path=path).set(1)
+                self._paths[component] = path
         failures = stats.get("drafter_failures")
         if failures is not None:  # the engine counts; the counter follows its increase
             with self._failures_lock:

@@ -3,6 +3,7 @@ default."""
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -59,6 +60,9 @@ class ServerSettings:
             raw = env.get(f"SPECD_{name.upper()}")
             if raw is not None:
                 values[name] = _parse(raw, f.type)
+        if "SPECD_SHUTDOWN_TIMEOUT" in env and "SPECD_SHUTDOWN_TIMEOUT_S" not in env:
+            # the --shutdown-timeout flag's own SPECD_<FLAG> name (the field's name has _S)
+            values["shutdown_timeout_s"] = float(env["SPECD_SHUTDOWN_TIMEOUT"])
         if "SPECD_API_KEY" in env:
             values["api_keys"] = [k for k in env["SPECD_API_KEY"].split(",") if k]
         keys_file = env.get("SPECD_API_KEYS_FILE")
@@ -70,6 +74,55 @@ class ServerSettings:
             if v is not None:
                 values[k] = v
         return cls(**values)
+
+
+# SPECD_* names read somewhere besides the settings' fields: serve's engine flags (server/cli.py),
+# keys, the model cache, the 4-bit kernel switch, the image's config path, setup and tests
+OTHER_ENV = {
+    "MODEL",
+    "DTYPE",
+    "DEVICE",
+    "DRAFTER",
+    "K_MAX",
+    "MAX_MODEL_LEN",
+    "MAX_RUNNING",
+    "DETERMINISTIC",
+    "ENFORCE_EAGER",
+    "SHUTDOWN_TIMEOUT",
+    "API_KEY",
+    "API_KEYS_FILE",
+    "CACHE_DIR",
+    "Q4_KERNEL",
+    "CONFIG",
+    "PUBLISH",
+    "SETUP_PREPARE",
+    "TORCH_VERSION",
+    "TEST_DEVICE",
+    "SCHEMATHESIS_EXAMPLES",
+}
+
+
+def known_env() -> set[str]:
+    """Every SPECD_* variable specd reads."""
+    return {f"SPECD_{f.name.upper()}" for f in fields(ServerSettings)} | {
+        f"SPECD_{n}" for n in OTHER_ENV
+    }
+
+
+def unknown_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each SPECD_* variable in ``env`` that specd does not read (a misspelt one
+    would otherwise be ignored without a word), naming the closest known name."""
+    env = os.environ if env is None else env
+    known = known_env()
+    out = []
+    for name in sorted(env):
+        if name.startswith("SPECD_") and name not in known:
+            # compared without the prefix, which every name shares
+            suffixes = sorted(k.removeprefix("SPECD_") for k in known)
+            close = difflib.get_close_matches(name.removeprefix("SPECD_"), suffixes, n=1)
+            hint = f"; did you mean SPECD_{close[0]}?" if close else ""
+            out.append(f"environment variable {name} is not one specd reads{hint}")
+    return out
 
 
 def _parse(raw: str, typ) -> object:

@@ -18,7 +18,7 @@ from .protocol import _Sampling
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def _json(schema) -> str:
+def schema_json(schema) -> str:
     import llguidance
 
     options = JSON_OPTIONS  # (a JsonCompileOptions TypedDict)
@@ -32,17 +32,17 @@ def _requested(req: _Sampling) -> list[tuple[str, str]]:
     out = []
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
-        out.append(("response_format", _json({"type": "object"})))
+        out.append(("response_format", schema_json({"type": "object"})))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None:
             raise bad("response_format.json_schema is required", "response_format.json_schema")
         schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
-        out.append(("response_format", _json(schema)))
+        out.append(("response_format", schema_json(schema)))
     so = req.structured_outputs
     if so is not None:
         if so.json_ is not None:
             schema = json.loads(so.json_) if isinstance(so.json_, str) else so.json_
-            out.append(("structured_outputs.json", _json(schema)))
+            out.append(("structured_outputs.json", schema_json(schema)))
         if so.regex is not None:
             out.append(("structured_outputs.regex", LLMatcher.grammar_from_regex(so.regex)))
         if so.grammar is not None:
@@ -62,7 +62,7 @@ def grammar_for(
     try:
         found = _requested(req)
         if tools is not None:
-            found.append(("tools", _json(tools)))
+            found.append(("tools", schema_json(tools)))
     except ValueError as e:  # a schema / regex / grammar llguidance cannot read
         raise bad(
             f"structured output cannot be compiled: {str(e)[:300]}", "response_format"

@@ -53,6 +53,11 @@ class Drafter(Protocol):
         """Sequential drafting steps to propose ``width`` tokens (the K controller's cost)."""
         ...
 
+    def own_path(self) -> str | None:
+        """How a forward of the drafter's own (not its runner's: the EAGLE-3 head's step) runs
+        now, for the forward-path gauge; None where it has none."""
+        ...
+
     def backlogs(self, seqs: list[Sequence]) -> list[int]:
         """Per row, the positions beyond one that its next ``propose`` would take in first: what
         its state missed while the row did not draft (0: a stateless drafter). The K controller
@@ -106,6 +111,10 @@ class DrafterBase:
 
     def backlogs(self, seqs: list[Sequence]) -> list[int]:
         return [0] * len(seqs)
+
+    def own_path(self) -> str | None:
+        """How a forward of the drafter's own (not its runner's) runs now; None: it has none."""
+        return None
 
     def steps(self, width: int) -> int:
         return width

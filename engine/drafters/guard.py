@@ -55,6 +55,9 @@ class GuardedDrafter:
     def backlogs(self, seqs: list[Sequence]) -> list[int]:
         return self._guard("backlogs", seqs, lambda: self.inner.backlogs(seqs)) or [0] * len(seqs)
 
+    def own_path(self) -> str | None:
+        return self.inner.own_path()
+
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal | None:
         """The drafter's proposal for ``seqs`` (all rows of the round), or None: a plain round."""
         drafting = [s for s, k in zip(seqs, plan.ks) if k]

@@ -56,6 +56,9 @@ class HybridDrafter(DrafterBase):
     def warm_up(self) -> None:
         self.eagle.warm_up()
 
+    def own_path(self) -> str | None:
+        return self.eagle.own_path()
+
     def backlogs(self, seqs: list[Sequence]) -> list[int]:
         return self.eagle.backlogs(seqs)
 

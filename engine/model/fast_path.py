@@ -16,6 +16,7 @@ import torch
 from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward
 from engine.model.cuda_graphs import GraphForward
+from engine.model.q4_matmul import Q4Weight
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -67,3 +68,15 @@ def disable(runner: ModelRunner, err: Exception) -> None:
     """Drop ``runner``'s compiled path after ``err`` (logged); it runs eagerly from then on."""
     warn_fallback(log, f"compiled {runner.name} forward", err, "running eagerly from now on")
     runner.fast = None
+
+
+def path_of(runner: ModelRunner) -> str:
+    """The path ``runner``'s small forwards take now: ``cuda-graphs`` (captured; on CPU a replay
+    re-runs the forward), ``compiled``, or ``eager`` (none attached, or dropped after a
+    failure); with 4-bit layers, ``+q4-<kernel>`` names the matmul kernel they run on."""
+    fast = runner.fast
+    path = (
+        "eager" if fast is None else "cuda-graphs" if isinstance(fast, GraphForward) else "compiled"
+    )
+    kernels = {w.kernel for lw in runner.weights for w in lw if isinstance(w, Q4Weight)}
+    return path + "".join(f"+q4-{k}" for k in sorted(kernels))

@@ -183,7 +183,9 @@ class EngineWorker:
 
     def stats(self) -> dict:
         """The engine's :class:`EngineLoad` as a dict (metrics gauges, ``/ready``)."""
-        return dataclasses.asdict(self.engine.load())
+        return dataclasses.asdict(self.engine.load()) | {
+            "forward_paths": self.engine.forward_paths()
+        }
 
     # -- the engine thread ----------------------------------------------------------------------
     def _send(self, request_id: str, item: StepOutput | Exception) -> None:

@@ -207,7 +207,7 @@ class Bench:
         try:
             tok = torch.tensor([42], device=dev)
             o = torch.zeros(1, head.config.hidden_size, dtype=self.dtype, device=dev)
-            step = lambda: d._chain(tok, o, [0], [ctx])[1].argmax(-1)  # noqa: E731
+            step = lambda: d.chain_step(tok, o, [0], [ctx])[1].argmax(-1)  # noqa: E731
             k["eagle_eager_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
             if self.a.compile != "none":  # as the builder: the head's CUDA graphs, every bucket
                 d.compile(capture_kv_align=64)  # (engine/drafters/eagle/graphs.py)

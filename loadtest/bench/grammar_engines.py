@@ -23,7 +23,7 @@ import xgrammar as xgr  # type: ignore[import-not-found]
 from engine.config import EngineConfig
 from engine.model.loader import prepare
 from loadtest.bench.structured import SCHEMAS
-from server.structured import _json
+from server.structured import schema_json
 
 V = 49152
 OUTPUTS = {
@@ -60,7 +60,7 @@ def main() -> None:
     for name, schema in SCHEMAS.items():
         ids = tok(OUTPUTS[name])["input_ids"]
         t = time.perf_counter()
-        m = llguidance.LLMatcher(ll, _json(schema))
+        m = llguidance.LLMatcher(ll, schema_json(schema))
         ll_compile = time.perf_counter() - t
         bits = llt.allocate_token_bitmask(1, V)
         ll_times = walk(

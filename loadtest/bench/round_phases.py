@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     if d is not None:
         for m in ("propose", "observe", "commit"):
             timer(totals, d, m, f"drafter.{m}")
-        for m in ("_ingest", "_chain", "_run"):
+        for m in ("_ingest", "chain_step", "_run"):
             if hasattr(d, m):
                 timer(totals, d, m, f"eagle.{m}")
     t0, tokens, passes = time.perf_counter(), 0, 0

@@ -26,7 +26,7 @@ from engine.requests.sequence import SpecParams
 from engine.round import grammar as grammar_module
 from engine.round import speculator as round_module
 from engine.round.sampling import SamplingParams
-from server.structured import _json
+from server.structured import schema_json
 
 SCHEMAS = {
     "person": {
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": ask}], add_generation_prompt=True, return_dict=True
         )["input_ids"]
-        jobs.append((list(ids), _json(SCHEMAS[schema])))
+        jobs.append((list(ids), schema_json(SCHEMAS[schema])))
     stats = {m: {"tokens": 0, "seconds": 0.0, "passes": 0, "grammar_s": 0.0} for m in ("on", "off")}
     outputs: dict[str, list[list[int]]] = {}
     engine.generate([jobs[0][0]], SamplingParams(temperature=0, max_tokens=8))  # warm-up

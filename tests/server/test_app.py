@@ -33,6 +33,9 @@ class DyingEngine:
     def needs_warm_up(self) -> bool:
         return False
 
+    def forward_paths(self) -> dict[str, str]:
+        return {"target": "eager"}
+
     def held_ids(self) -> list[str]:
         return []
 

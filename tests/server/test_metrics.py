@@ -283,3 +283,38 @@ def test_vllm_named_gauges_carry_the_same_values():
     assert total(m, "vllm:kv_cache_usage_perc", model_name="m") == 0.25
     assert total(m, "specd_waiting_sequences") == 5
     assert total(m, "specd_kv_cache_usage_ratio") == 0.25
+
+
+def test_forward_path_gauge_shows_the_path_taken_and_a_fallback():
+    """specd_forward_path: 1 for each component's path now; after a fallback the old path
+    reads 0 and eager 1 (an alert on eager, or on a compiled path at 0, sees it)."""
+    from prometheus_client import generate_latest
+
+    from server.metrics import Metrics
+
+    metrics = Metrics("m", "eagle3")
+    paths = {"target": "compiled+q4-specd", "head": "compiled"}
+    metrics.set_gauges({"forward_paths": paths})
+    m = scrape(generate_latest(metrics.registry).decode())
+    assert total(m, "specd_forward_path", component="target", path="compiled+q4-specd") == 1
+    assert total(m, "specd_forward_path", component="head", path="compiled") == 1
+    metrics.set_gauges({"forward_paths": {"target": "eager+q4-specd", "head": "compiled"}})
+    m = scrape(generate_latest(metrics.registry).decode())
+    assert total(m, "specd_forward_path", component="target", path="compiled+q4-specd") == 0
+    assert total(m, "specd_forward_path", component="target", path="eager+q4-specd") == 1
+    assert total(m, "specd_forward_path", component="head") == 1
+
+
+def test_served_forward_paths_are_what_the_configs_ask(live, live_default):
+    """The fp32 test server runs eagerly; the shipped default runs its target compiled (and its
+    4-bit layers on a named kernel) and its head compiled: a silent fallback would fail here."""
+    m = scrape(httpx.get(f"{live.url}/metrics").text)
+    assert total(m, "specd_forward_path", component="target", path="eager") == 1
+    m = scrape(httpx.get(f"{live_default.url}/metrics").text)
+    on = {
+        dict(lab)["component"]: dict(lab)["path"]
+        for (n, lab), v in m.items()
+        if v == 1 and n == "specd_forward_path"
+    }
+    assert on["target"].startswith("compiled+q4-"), on
+    assert on["head"] in ("compiled", "captured"), on

@@ -1,6 +1,6 @@
 import pytest
 
-from server.settings import ServerSettings
+from server.settings import ServerSettings, known_env, unknown_env
 
 
 def test_flags_beat_env_beat_file(tmp_path):
@@ -50,3 +50,35 @@ def test_shutdown_timeout_from_env_and_flag_and_refused_when_negative():
     assert ServerSettings.from_sources({}, env=env, flags=flags).shutdown_timeout_s == 5.0
     with pytest.raises(ValueError, match="shutdown_timeout_s"):
         ServerSettings.from_sources({"shutdown_timeout_s": -1}, env={})
+
+
+def test_the_flag_name_of_the_shutdown_timeout_is_read_too():
+    """SPECD_<FLAG> for --shutdown-timeout (the field's own name, with _S, wins if both)."""
+    env = {"SPECD_SHUTDOWN_TIMEOUT": "12"}
+    assert ServerSettings.from_sources({}, env=env).shutdown_timeout_s == 12.0
+    env["SPECD_SHUTDOWN_TIMEOUT_S"] = "7"
+    assert ServerSettings.from_sources({}, env=env).shutdown_timeout_s == 7.0
+
+
+def test_an_unknown_specd_variable_is_named_with_the_closest_known_one():
+    env = {"SPECD_MAX_RUNING": "4", "SPECD_PORT": "9000", "PATH": "/bin", "SPECD_ZZZ": "1"}
+    hint = "; did you mean SPECD_MAX_RUNNING?"
+    assert unknown_env(env) == [
+        "environment variable SPECD_MAX_RUNING is not one specd reads" + hint,
+        "environment variable SPECD_ZZZ is not one specd reads",
+    ]
+    assert unknown_env({name: "1" for name in known_env()}) == []  # no false alarm
+
+
+def test_every_specd_variable_the_project_names_is_known():
+    """The names in the CLI's help, the Dockerfile, compose, the chart and the scripts: none
+    would warn at start-up."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "Dockerfile", root / "docker-compose.yml", root / "server" / "cli.py"]
+    files += [*(root / "scripts").glob("*.sh"), *(root / "deploy").rglob("*.yaml")]
+    named = {m for f in files if f.exists() for m in re.findall(r"SPECD_[A-Z0-9_]+", f.read_text())}
+    assert "SPECD_SHUTDOWN_TIMEOUT" in named and "SPECD_CONFIG" in named  # the scan read them
+    assert named - known_env() == set()

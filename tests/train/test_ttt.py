@@ -42,7 +42,7 @@ def test_ttt_steps_equal_the_inference_chain():
     for j in range(steps):
         if j > 0:  # the chain: own output and the true token t_{P+1+j} at position P + j
             tok = torch.tensor([ids[P + 1 + j]])
-            out, logits = d._chain(tok, out, [0], [P + j])
+            out, logits = d.chain_step(tok, out, [0], [P + j])
             d.cache.commit(0, P + j + 1)
         inference = logits[0]  # [draft_vocab]
         torch.testing.assert_close(inference, train_logits[j][0, P].float(), atol=1e-4, rtol=1e-4)

@@ -134,6 +134,14 @@ class EagleDrafter(DrafterBase):
         for d in (self.pending, self.pending_n, self.real, self.skipped):
             d.pop(seq.slot, None)
 
+    def own_path(self) -> str:
+        """How the head's step runs now: ``captured`` (CUDA graphs), ``compiled``, or ``eager``
+        (never compiled, or dropped to eager after a failed compile or capture)."""
+        f = self.forward
+        if isinstance(f, HeadCapture):
+            return "eager" if f.eager else "captured"
+        return "compiled" if isinstance(f, HeadGraphs) else "eager"
+
     def backlogs(self, seqs: list[Sequence]) -> list[int]:  # < 2·WINDOW: commit drops older
         return [max(self.pending_n.get(s.slot, 0) - 1, 0) for s in seqs]
 
@@ -225,7 +233,7 @@ class EagleDrafter(DrafterBase):
             if j > 0:  # feed (own output, previous draft) at the next position
                 slots = [seqs[b].slot for b in rows]
                 starts = [self.cache.lengths[s] for s in slots]
-                out, logits = self._chain(tok, out, slots, starts)
+                out, logits = self.chain_step(tok, out, slots, starts)
                 for s, st in zip(slots, starts):
                     self.cache.commit(s, st + 1)
             row_t = to_device(rows, torch.long, dev)
@@ -297,7 +305,7 @@ class EagleDrafter(DrafterBase):
         return out
 
     @torch.inference_mode()
-    def _chain(
+    def chain_step(
         self, tok: torch.Tensor, out: torch.Tensor, slots: list[int], starts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained draft step: tokens ``tok`` ``[rows]`` with the head's previous outputs

@@ -154,10 +154,14 @@ def test_compile_failure_falls_back_to_eager(models, caplog):
     spec = SpecParams(k=3)
     ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
     e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
-    with caplog.at_level(logging.WARNING, logger="specd.fast_forward"):
+    assert e.forward_paths() == {"target": "compiled"}  # attached, not yet compiled
+    with caplog.at_level(logging.WARNING):
         e.warm_up()
     assert e.target.fast is None
     assert "running eagerly" in caplog.text
+    # the fallback is visible: the forward-path gauge's source and the start-up log line
+    assert e.forward_paths() == {"target": "eager"}
+    assert "forward paths after warm-up: target eager" in caplog.text
     seqs = e.generate(ps, GREEDY, spec)
     assert [s.output_ids for s in seqs] == ref
     assert_speculated(seqs)
@@ -166,7 +170,7 @@ def test_compile_failure_falls_back_to_eager(models, caplog):
     seqs = e.generate(ps, GREEDY, spec)
     assert [s.output_ids for s in seqs] == ref
     assert_speculated(seqs)
-    assert e.target.fast is None
+    assert e.target.fast is None and e.forward_paths() == {"target": "eager"}
 
 
 def test_worker_is_not_ready_until_warmed_up(models):

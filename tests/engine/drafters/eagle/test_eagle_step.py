@@ -43,8 +43,9 @@ def compiled(target):
 def test_compiled_head_equals_eager_for_every_key_and_new_shapes(compiled):
     """One graph per key (rows and q each 1 or more; ingest or chain) serves shapes its compile
     never saw (other row counts, q, key lengths) with the eager head's results."""
-    _, d = compiled
+    engine, d = compiled
     assert isinstance(d.forward, HeadGraphs)
+    assert engine.forward_paths() == {"target": "eager", "head": "compiled"}
     keys = len(d.forward.graphs)
     assert keys == 6
     with torch.inference_mode():
@@ -86,3 +87,4 @@ def test_a_failing_graph_falls_back_to_the_eager_head(target):
     out = engine.generate([p], g, SpecParams(k=2))[0]
     assert out.output_ids == ref and out.drafted > 0
     assert d.forward is head_forward and engine.drafter_failures == 0
+    assert engine.forward_paths()["head"] == "eager"  # the fallback is visible
