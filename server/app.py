@@ -95,6 +95,7 @@ def create_app(
     )
     async def prometheus_metrics():
         metrics.set_gauges(worker.stats())
+        metrics.set_forward_paths(worker.forward_paths())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")

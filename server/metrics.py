@@ -254,19 +254,23 @@ class Metrics:
         if stats.get("kv_slots"):
             for g in self._kv_gauges:
                 g.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
-        for component, path in stats.get("forward_paths", {}).items():
-            before = self._paths.get(component)
-            if before != path:
-                if before is not None:  # a fallback (or a recovery) stays visible as a 0
-                    self._path.labels(**self._lab, component=component, path=before).set(0)
-                self._path.labels(**self._lab, component=component, path=path).set(1)
-                self._paths[component] = path
         failures = stats.get("drafter_failures")
         if failures is not None:  # the engine counts; the counter follows its increase
             with self._failures_lock:
                 if failures > self._failures_seen:
                     self.drafter_failures.inc(failures - self._failures_seen)
                     self._failures_seen = failures
+
+    def set_forward_paths(self, paths: dict[str, str]) -> None:
+        """From :meth:`EngineWorker.forward_paths`, at a scrape: 1 for each component's path now,
+        and 0 for the one it took before a change (a fallback stays visible)."""
+        for component, path in paths.items():
+            before = self._paths.get(component)
+            if before != path:
+                if before is not None:
+                    self._path.labels(**self._lab, component=component, path=before).set(0)
+                self._path.labels(**self._lab, component=component, path=path).set(1)
+                self._paths[component] = path
 
     # -- asyncio side ---------------------------------------------------------------------------
     def request(self, endpoint: str, status: int) -> None:

@@ -48,12 +48,10 @@ def one_thread_beside_the_heavy_group(request):
     if "PYTEST_XDIST_WORKER" not in os.environ or request.node.get_closest_marker("xdist_group"):
         yield
         return
-    import torch
+    from tests.helpers import one_torch_thread
 
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
 
 
 def make_app(built, worker, **settings):
@@ -64,6 +62,19 @@ def make_app(built, worker, **settings):
 
     return create_app(
         worker, built.tokenizer, MODEL, engine_capacity(built), ServerSettings(**settings)
+    )
+
+
+def served_fields(server, built, **extra) -> SimpleNamespace:
+    """What a test reads of a live server: its URLs, worker, engine, tokenizer and model."""
+    return SimpleNamespace(
+        base_url=f"{server.url}/v1",
+        url=server.url,
+        worker=server.worker,
+        engine=built.engine,
+        tokenizer=built.tokenizer,
+        model=built.engine.target.model,
+        **extra,
     )
 
 
@@ -138,14 +149,7 @@ def live(built):
     from server.settings import ServerSettings
 
     with assemble(built, ServerSettings(**QUIET), engine_thread=True) as server:
-        yield SimpleNamespace(
-            base_url=f"{server.url}/v1",
-            url=server.url,
-            worker=server.worker,
-            engine=built.engine,
-            tokenizer=built.tokenizer,
-            model=built.engine.target.model,
-        )
+        yield served_fields(server, built)
 
 
 @pytest.fixture(scope="session")

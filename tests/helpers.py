@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,6 +20,17 @@ from engine.model.runner import ModelRunner
 # the device the tiny models are built on (``SPECD_TEST_DEVICE=cuda pytest ...`` runs the engine
 # tests that take a device on a GPU; the default, CPU, is what CI runs)
 TEST_DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
+
+
+@contextmanager
+def one_torch_thread():
+    """torch on one thread inside, the previous count restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def tiny_llama(
@@ -54,6 +66,21 @@ def tiny_llama(
         with torch.no_grad():
             model.lm_head.weight.mul_(sharpen)
     return model.to(TEST_DEVICE)
+
+
+def sharp_tiny(seed: int, vocab: int = 8, layers: int = 2):
+    """The distribution tests' tiny Llama: a vocabulary small enough to enumerate outputs over,
+    the LM head sharpened x8 so that output distributions are far from uniform."""
+    return tiny_llama(
+        seed,
+        layers=layers,
+        vocab=vocab,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+        max_positions=64,
+        sharpen=8.0,
+    )
 
 
 def engine_for(

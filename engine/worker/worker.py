@@ -183,9 +183,12 @@ class EngineWorker:
 
     def stats(self) -> dict:
         """The engine's :class:`EngineLoad` as a dict (metrics gauges, ``/ready``)."""
-        return dataclasses.asdict(self.engine.load()) | {
-            "forward_paths": self.engine.forward_paths()
-        }
+        return dataclasses.asdict(self.engine.load())
+
+    def forward_paths(self) -> dict[str, str]:
+        """The engine's forward paths now (read at a metrics scrape, not after every step: they
+        change only when a fast path falls back)."""
+        return self.engine.forward_paths()
 
     # -- the engine thread ----------------------------------------------------------------------
     def _send(self, request_id: str, item: StepOutput | Exception) -> None:

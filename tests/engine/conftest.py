@@ -3,9 +3,8 @@ shared by the worker, fast-path and fault-injection tests (which build their eng
 with tests.helpers.engine_for)."""
 
 import pytest
-import torch
 
-from tests.helpers import tiny_llama
+from tests.helpers import one_torch_thread, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +17,8 @@ def models():
 def single_thread():
     """One torch thread for the test (tiny models: threads only add synchronisation, and on a
     shared machine they spin against each other); the previous count is restored."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from tests.distribution import (
     chi_square_gof,
     exact_joint,
 )
-from tests.helpers import assert_speculated, engine_for, tiny_llama
+from tests.helpers import assert_speculated, engine_for, sharp_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -53,10 +53,7 @@ PROMPT = [3, 7, 3, 3, 7]
 
 
 def tiny(seed):
-    # the LM head sharpened x8: output distributions far from uniform
-    return tiny_llama(
-        seed, layers=2, vocab=V, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
-    )
+    return sharp_tiny(seed, V)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import QUIET, fresh, wait_until
+from tests.conftest import QUIET, fresh, served_fields, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
@@ -59,15 +59,8 @@ def live_default(built_default):
     settings = ServerSettings.from_sources(file, env={}, flags=QUIET)
     with assemble(built_default, settings, engine_thread=True) as server:
         wait_until(server.worker.warmed.is_set, timeout=1200, what="the compile warm-up")
-        yield SimpleNamespace(
-            base_url=f"{server.url}/v1",
-            url=server.url,
-            worker=server.worker,
-            engine=built_default.engine,
-            tokenizer=built_default.tokenizer,
-            model=built_default.engine.target.model,
-            exact={"deterministic": True},
-            name="live_default",
+        yield served_fields(
+            server, built_default, exact={"deterministic": True}, name="live_default"
         )
 
 

@@ -294,11 +294,11 @@ def test_forward_path_gauge_shows_the_path_taken_and_a_fallback():
 
     metrics = Metrics("m", "eagle3")
     paths = {"target": "compiled+q4-specd", "head": "compiled"}
-    metrics.set_gauges({"forward_paths": paths})
+    metrics.set_forward_paths(paths)
     m = scrape(generate_latest(metrics.registry).decode())
     assert total(m, "specd_forward_path", component="target", path="compiled+q4-specd") == 1
     assert total(m, "specd_forward_path", component="head", path="compiled") == 1
-    metrics.set_gauges({"forward_paths": {"target": "eager+q4-specd", "head": "compiled"}})
+    metrics.set_forward_paths({"target": "eager+q4-specd", "head": "compiled"})
     m = scrape(generate_latest(metrics.registry).decode())
     assert total(m, "specd_forward_path", component="target", path="compiled+q4-specd") == 0
     assert total(m, "specd_forward_path", component="target", path="eager+q4-specd") == 1

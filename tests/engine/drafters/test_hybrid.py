@@ -97,9 +97,7 @@ def test_sampled_distribution_matches_target():
     (one-hot q) where its last token occurred before (half of the vocabulary is in the prompt),
     the head drafts with its own q otherwise; the suite's distribution test
     (tests/distribution.py). The same test rejects copies that report a q other than one-hot."""
-    small = helpers.tiny_llama(
-        1, layers=LAYERS, vocab=12, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
-    )
+    small = helpers.sharp_tiny(1, vocab=12, layers=LAYERS)
     prompt, sampling = [0, 1, 2, 3, 4, 5], dict(temperature=0.8, top_k=6, top_p=0.95)
     exact = exact_joint(small, prompt, 6, **sampling)
     head = random_head(9, vocab=12, draft_vocab=8, hidden=32)

@@ -12,7 +12,7 @@ from engine.round import speculator as round_module
 from engine.round.penalties import apply_penalties
 from engine.round.sampling import SamplingParams
 from tests.distribution import assert_fits, assert_rejects, exact_joint
-from tests.helpers import assert_speculated, engine_for, tiny_llama
+from tests.helpers import assert_speculated, engine_for, sharp_tiny
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -22,9 +22,7 @@ PROMPT = [3, 7, 3, 3, 7]
 
 def tiny(seed):
     """The distribution tests' tiny Llama (vocabulary 8, LM head sharpened x8)."""
-    return tiny_llama(
-        seed, layers=2, vocab=V, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
-    )
+    return sharp_tiny(seed, V)
 
 
 def outputs(seqs):

@@ -14,7 +14,7 @@ from engine.round import speculator as round_module
 from engine.round.sampling import SamplingParams
 from tests.audit import RoundAudit, hf_reference, runner_reference
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, echo_head, random_head
-from tests.helpers import assert_speculated, engine_for, tiny_llama
+from tests.helpers import assert_speculated, engine_for, sharp_tiny, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -23,9 +23,7 @@ PROMPT = [3, 7, 3, 3, 7, 1, 3, 7]  # repeats: the n-gram copies find drafts
 
 
 def tiny(seed, vocab=8):
-    return tiny_llama(
-        seed, layers=2, vocab=vocab, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
-    )
+    return sharp_tiny(seed, vocab)
 
 
 @pytest.fixture(scope="module")

@@ -228,9 +228,7 @@ def test_sampled_distribution_matches_target():
     with its own q over an 8-of-12-token draft vocabulary (zero outside it): the suite's
     distribution test (tests/distribution.py). The same test rejects a drafter that reports a q
     other than the one it sampled from (uniform over its vocabulary)."""
-    small = helpers.tiny_llama(
-        1, layers=LAYERS, vocab=12, hidden=32, heads=2, kv_heads=1, max_positions=64, sharpen=8.0
-    )
+    small = helpers.sharp_tiny(1, vocab=12, layers=LAYERS)
     prompt, sampling = [3, 7, 3, 3, 7], dict(temperature=0.8, top_k=6, top_p=0.95)
     exact = exact_joint(small, prompt, 6, **sampling)
     head = random_head(9, vocab=12, draft_vocab=8, hidden=32)
