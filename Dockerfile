@@ -25,6 +25,8 @@ COPY pyproject.toml README.md ./
 COPY engine engine
 COPY server server
 COPY loadtest loadtest
+COPY train train
+COPY prompts prompts
 COPY configs configs
 COPY models models
 RUN pip install .

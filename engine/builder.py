@@ -18,11 +18,14 @@ from engine.drafters.model import check_same_vocab
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK, KController
 from engine.model import invariant
-from engine.model.fast_path import attach, fast_mode
+from engine.model.fast_path import fast_mode
 from engine.model.loader import default_cache_dir, load_model
-from engine.model.quant import use_native_q4
+from engine.model.quant import native_q4
 from engine.model.runner import ModelRunner
+from engine.model.weights import ModelWeights
 from engine.round.grammar import GrammarCompiler
+from engine.round.rejection import rejection_sample
+from engine.round.speculator import AcceptRule
 
 log = logging.getLogger("specd.builder")
 
@@ -100,16 +103,23 @@ def head_folder(source: str) -> Path:
     )
 
 
+def eagle_head(source: str | None, model):
+    """The EAGLE-3 head at ``source`` (a folder or Hub id, :func:`head_folder`) for the target
+    ``model``, in its dtype and on its device."""
+    if not source:
+        raise ValueError("drafter.method 'eagle3' needs drafter.source (an EAGLE-3 head folder)")
+    p = next(model.parameters())
+    return load_head(head_folder(source), model.config.num_hidden_layers, p.dtype, p.device)
+
+
 def eagle_drafter(source: str | None, model, runner: ModelRunner, head=None) -> EagleDrafter:
     """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype), or
     of ``head``, an already loaded one (tests build theirs in memory; moved to the device)."""
     if head is not None:
         head = head.to(runner.device)
         source = source or "(in memory)"
-    elif not source:
-        raise ValueError("drafter.method 'eagle3' needs drafter.source (an EAGLE-3 head folder)")
     else:
-        head = load_head(head_folder(source), len(runner.weights), runner.dtype, runner.device)
+        head = eagle_head(source, model)
     c, hidden = head.config, model.config.hidden_size
     if c.vocab_size != runner.vocab_size or c.target_hidden_size != hidden:
         raise ValueError(
@@ -156,11 +166,18 @@ def make_drafter(
         draft_model = model if draft is None else draft
         if draft is None and d.dtype and d.dtype != m.dtype:
             draft_model, _ = load_model(m.source, d.dtype, m.device, cache_dir, m.trust_remote_code)
-        return ModelDrafter(
-            ModelRunner(draft_model, cfg.max_running, runner.max_len, layers, name="draft"),
-            vocab,
-            name=f"{d.method}{layers or ''}",
+        shared = runner.model_weights() if draft_model is model else None  # e.g. 4-bit
+        drunner = ModelRunner(
+            draft_model,
+            cfg.max_running,
+            runner.max_len,
+            layers,
+            name="draft",
+            weights=shared,
+            compile=cfg.compile,
+            k_max=d.k_max,
         )
+        return ModelDrafter(drunner, vocab, name=f"{d.method}{layers or ''}")
     if d.method == "model":
         if draft is None:
             if not d.source:
@@ -169,7 +186,9 @@ def make_drafter(
                 d.source, d.dtype or m.dtype, m.device, cache_dir, m.trust_remote_code
             )
             check_same_vocab(tok, dtok)
-        drunner = ModelRunner(draft, cfg.max_running, runner.max_len, name="draft")
+        drunner = ModelRunner(
+            draft, cfg.max_running, runner.max_len, name="draft", compile=cfg.compile, k_max=d.k_max
+        )
         return ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     if d.method == "eagle3":
         drafter = eagle = eagle_drafter(d.source, model, runner, head)
@@ -196,10 +215,11 @@ def make_engine(
     eos: list[int],
     grammars: GrammarCompiler | None = None,
     controller: KController | None = None,
+    accept: AcceptRule = rejection_sample,
 ) -> SpecEngine:
     """The engine ``cfg`` describes over ``runner`` and ``drafter`` (``controller``: default
-    ``cfg.drafter``'s, :func:`make_controller`). No compile, 4-bit or invariance set-up: that
-    is :func:`build_engine`'s."""
+    ``cfg.drafter``'s, :func:`make_controller`; ``accept``: the acceptance rule, the exact one
+    but in tests of the checks that catch a wrong one)."""
     d = cfg.drafter
     return SpecEngine(
         runner,
@@ -212,6 +232,25 @@ def make_engine(
         cfg.max_slots_per_request,
         grammars,
         cfg.deterministic,
+        accept,
+    )
+
+
+def target_runner(
+    cfg: EngineConfig, model, taps: tuple[int, ...] = (), weights: ModelWeights | None = None
+) -> ModelRunner:
+    """The target's runner ``cfg`` describes, tapping ``taps`` for the drafter, over
+    ``weights`` (default: the model's dense ones), with ``cfg.compile``'s fast path unless every
+    forward is the batch-invariant one (deterministic "always")."""
+    always = cfg.deterministic == "always"
+    return ModelRunner(
+        model,
+        cfg.max_running,
+        cfg.max_model_len,
+        taps=taps,
+        weights=weights,
+        compile=None if always else cfg.compile,
+        k_max=cfg.drafter.k_max if cfg.drafter.method != "none" else 0,  # verifies of K + 1
     )
 
 
@@ -222,22 +261,22 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     m = cfg.model
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model, tok = target or load_model(m.source, m.dtype, m.device, cache_dir, m.trust_remote_code)
-    runner = ModelRunner(model, cfg.max_running, cfg.max_model_len)
-    drafter = make_drafter(cfg, model, tok, runner)
-    grammars = GrammarCompiler(tok, runner.vocab_size)
-    engine = make_engine(cfg, runner, drafter, eos_ids(model, tok), grammars)
-    if m.native_q4 and runner.dtype == torch.float32 and runner.device.type == "cpu":
+    weights = None
+    if m.native_q4 and model.dtype == torch.float32 and model.device.type == "cpu":
         # torch's CPU int4 matmul with float32 activations is far slower than with bf16 and
         # than a dense float32 matmul: the GGUF's dequantized weights run dense instead
         log.info("model.native_q4: dense weights in float32 (no fast float32 int4 matmul on CPU)")
     elif m.native_q4:
-        use_native_q4(m.source, *engine.runners())
+        weights = native_q4(m.source, model)
     if cfg.compile.enabled:  # inductor's kernels kept beside the model cache, not in /tmp: a
         # restart loads them (a cold warm-up compiles for minutes, a warm one takes seconds)
         use_inductor_cache((cache_dir or default_cache_dir()) / "inductor")
-    for r in engine.runners():
-        if cfg.deterministic != "always" or r is not runner:  # its forwards are all invariant
-            attach(r, cfg.compile, cfg.drafter.k_max)
+    head = eagle_head(cfg.drafter.source, model) if cfg.drafter.method == "eagle3" else None
+    taps = tuple(head.config.aux_layers) if head is not None else ()
+    runner = target_runner(cfg, model, taps, weights)
+    drafter = make_drafter(cfg, model, tok, runner, head=head)
+    grammars = GrammarCompiler(tok, runner.vocab_size)
+    engine = make_engine(cfg, runner, drafter, eos_ids(model, tok), grammars)
     if cfg.deterministic != "off":
         invariant.check(runner)  # RuntimeError where this machine's kernels are not invariant
     return Built(engine, tok, cfg)

@@ -53,7 +53,10 @@ class SpecEngine:
         max_slots_per_request: int | None = None,
         grammars: GrammarCompiler | None = None,
         deterministic: str = "off",
+        accept: AcceptRule = rejection_sample,
     ):
+        """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
+        builds the engine with a synthetic one (then not lossless: the worker refuses it)."""
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
         if controller is None:
@@ -61,7 +64,11 @@ class SpecEngine:
         self.controller = controller
         controller.price_shapes(target.padded_shape)  # the fast path pads verify shapes
         self.guard = GuardedDrafter(drafter) if drafter is not None else None
-        target.taps = drafter.taps if drafter is not None else ()  # what the drafter reads
+        if drafter is not None and drafter.taps != target.taps:  # what the drafter reads
+            raise ValueError(
+                f"the drafter reads the target's layers {drafter.taps}, the target runner taps "
+                f"{target.taps}: build the runner with taps=drafter.taps"
+            )
         self.scheduler = Scheduler(
             target.cache,
             target.max_len,
@@ -83,7 +90,9 @@ class SpecEngine:
         self.group_prefill = self.device.type == "cuda"
         rng = torch.Generator(device=self.device)
         rng.manual_seed(secrets.randbits(63))
-        self.speculator = Speculator(target, self.guard, controller, self.scheduler, k_max, rng)
+        self.speculator = Speculator(
+            target, self.guard, controller, self.scheduler, k_max, rng, accept
+        )
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -169,8 +178,7 @@ class SpecEngine:
             out.prompt_logprobs = out.seq.prompt_logprobs
         sched.start_running(new)
         if sched.running:
-            self._invariant(sched.running)
-            outputs += self.speculator.round(sched.running)
+            outputs += self.speculator.round(sched.running, self._invariant(sched.running))
             sched.retire()
         return outputs
 
@@ -205,22 +213,22 @@ class SpecEngine:
                     last_logits.append(last[id(c)])
         return new, last_logits, scored
 
-    def _invariant(self, seqs: list[Sequence]) -> None:
-        """Invariant target forwards for rows ``seqs`` if the engine always runs them or a row
-        asked: every forward of a deterministic request (chunks, rounds) is then invariant."""
+    def _invariant(self, seqs: list[Sequence]) -> bool:
+        """Whether the target's forwards over rows ``seqs`` are the batch-invariant ones: the
+        engine always runs them, or a row asked (every forward of a deterministic request,
+        chunks and rounds, is then invariant)."""
         mode = self.deterministic
-        self.target.invariant = mode == "always" or (
-            mode == "request" and any(s.params.deterministic for s in seqs)
-        )
+        return mode == "always" or (mode == "request" and any(s.params.deterministic for s in seqs))
 
     def _calibrate_once(self) -> None:
         """Before the first request the controller decides K for: time forwards on free slots."""
         if self.controller.calibrated or not self.target.cache.num_free():
             return
-        self._invariant([])  # "always": the forwards timed are the invariant ones
         if any(s.spec.enabled and s.spec.k is None for s in self.scheduler.waiting):
             draft = self.drafter.runner if self.drafter is not None else None
-            self.controller.calibrate(self.target, draft, self.target.cache.free_slots())
+            free = self.target.cache.free_slots()
+            # "always": the forwards timed are the invariant ones
+            self.controller.calibrate(self.target, draft, free, self._invariant([]))
 
     # -- compile warm-up ----------------------------------------------------------------------
     def runners(self) -> list[ModelRunner]:
@@ -249,10 +257,8 @@ class SpecEngine:
     def warm_up(self) -> None:
         """Compile and run every shape of the target's and draft model's fast forward path
         (engine/model/compiled.py) and the drafter's own graphs. The worker calls it first."""
-        from engine.model.fast_path import warm_up
-
         for runner in self.runners():
-            warm_up(runner)
+            runner.warm_up()
         if self.drafter is not None:
             try:
                 self.drafter.warm_up()
@@ -263,17 +269,9 @@ class SpecEngine:
 
     # -- what the worker reads (engine/worker/worker.py's Engine protocol) -------------------
     @property
-    def accept(self) -> AcceptRule:
-        """The round's acceptance rule; only a benchmark swaps it (synthetic acceptance)."""
-        return self.speculator.accept
-
-    @accept.setter
-    def accept(self, rule: AcceptRule) -> None:
-        self.speculator.accept = rule
-
-    @property
     def lossless(self) -> bool:
-        """True unless a benchmark swapped the acceptance rule (the worker refuses to serve it)."""
+        """True when the acceptance rule is the exact rejection rule (the worker serves no
+        other)."""
         return self.speculator.accept is rejection_sample
 
     @property

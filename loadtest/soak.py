@@ -33,10 +33,10 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.datasets import human_eval, mt_bench
 from loadtest.modes import spec_option
 from loadtest.server_proc import RssSampler, specd_server
 from loadtest.soak_result import SoakResult
+from prompts.sets import human_eval, mt_bench
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 # the server's default (adaptive) twice as often as a fixed K and as no speculation

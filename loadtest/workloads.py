@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import datasets
+from prompts import sets
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Item:
 
 
 def _mtbench(turns: int) -> list[Item]:
-    root = datasets.mtbench_question_file()
+    root = sets.mtbench_question_file()
     out = []
     for line in root.read_text().splitlines():
         q = json.loads(line)
@@ -88,7 +88,7 @@ def load(spec: str) -> list[Item]:
     if name == "mtbench":
         return _mtbench(int(arg or 1))
     if name == "humaneval":
-        return [Item(p.id, p.category, prompt=p.text) for p in datasets.human_eval()]
+        return [Item(p.id, p.category, prompt=p.text) for p in sets.human_eval()]
     if name == "jsonl":
         return _jsonl(arg)
     raise ValueError(f"unknown workload {spec!r} (mtbench, mtbench:2, humaneval, jsonl:PATH)")

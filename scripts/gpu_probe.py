@@ -35,7 +35,7 @@ import engine.model.runner as runner_mod
 from engine.model.cuda_graphs import record
 from engine.model.layer import layer_group
 from engine.model.runner import ModelRunner
-from engine.model.weights import from_layer
+from engine.model.weights import ModelWeights, from_layer, fuse_dense
 from loadtest.bench.steps import SHAPES, in_dtype
 
 
@@ -49,19 +49,18 @@ def old_groups(shape, x):
 
 
 @contextlib.contextmanager
-def old_path(runner):
-    """The layer as it ran on CUDA before: unfused weights, SDPA's GQA on a boolean mask (cast
-    in every layer), RMSNorm in four kernels."""
-    saved = (runner.weights, layer_mod.rms_norm, layer_mod.groups_queries)
+def old_path():
+    """The layer as it ran on CUDA before (with a runner over unfused weights, from_layer):
+    SDPA's GQA on a boolean mask (cast in every layer), RMSNorm in four kernels."""
+    saved = (layer_mod.rms_norm, layer_mod.groups_queries)
     saved += (runner_mod.groups_queries, runner_mod.additive_mask)
-    runner.weights = [from_layer(m) for m in runner.model.model.layers]
     layer_mod.rms_norm, layer_mod.groups_queries = old_rms_norm, old_groups
     runner_mod.groups_queries, runner_mod.additive_mask = old_groups, lambda m, d: m
     try:
         yield
     finally:
-        runner.weights, layer_mod.rms_norm, layer_mod.groups_queries = saved[:3]
-        runner_mod.groups_queries, runner_mod.additive_mask = saved[3:]
+        layer_mod.rms_norm, layer_mod.groups_queries = saved[:2]
+        runner_mod.groups_queries, runner_mod.additive_mask = saved[2:]
 
 
 def kernels(fn, dev) -> Counter:
@@ -161,11 +160,12 @@ def main(argv=None) -> None:
         shape.update(SHAPES["tiny"], num_hidden_layers=a.layers)
     cfg = LlamaConfig(max_position_embeddings=8192, rope_theta=500000.0, **shape)
     model = in_dtype(dtype, dev, lambda: LlamaForCausalLM(cfg))
-    runner = ModelRunner(model, a.batch, a.kv + 8)
-    if dev.type != "cuda":  # the CUDA rules, as far as they run on CPU: the fused weights
-        from engine.model.weights import fuse_dense
-
-        runner.weights = [fuse_dense(m) for m in model.model.layers]
+    layers = model.model.layers
+    # the CUDA rules, as far as they run on CPU: the fused weights
+    fused = ModelWeights([fuse_dense(m) for m in layers], None)
+    runner = ModelRunner(model, a.batch, a.kv + 8, weights=fused)
+    unfused = ModelWeights([from_layer(m) for m in layers], None)
+    old = ModelRunner(model, a.batch, a.kv + 8, weights=unfused)
     layer_bytes = (
         sum(p.numel() * p.element_size() for p in model.model.layers.parameters()) / a.layers
     )
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     rows = torch.arange(B, device=dev)
     kv_idx = torch.arange(a.kv, device=dev)
 
-    def stack(group_fn=None):
+    def stack(group_fn=None, runner=runner):
         return lambda: runner.layers_forward(
             ids, pos, write_pos, rows, kv_idx, 0, group_fn, a.layers if group_fn else None
         )
@@ -225,8 +225,8 @@ def main(argv=None) -> None:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1, default=str)
 
-    with old_path(runner):
-        measure("old", stack())
+    with old_path():
+        measure("old", stack(runner=old))
     measure("new", stack())
     save()
     print("\n== SDPA alone (batch 1, 32 query heads, 8 KV heads, head_dim 128)", flush=True)

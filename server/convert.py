@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
@@ -196,13 +197,17 @@ def _check_n(req: _Sampling, s: ServerSettings, prompts: int = 1) -> None:
         raise bad(f"prompts x n must be <= {s.max_choices}", "prompt")
 
 
-def completion_job(
-    req: CompletionRequest,
-    tokenizer,
-    s: ServerSettings,
-    capacity: EngineCapacity,
-    grammars: GrammarCompiler | None,
-) -> Job:
+class JobContext(Protocol):
+    """What turning a request into a :class:`Job` reads (the routes' ``Serving``)."""
+
+    tokenizer: Any
+    settings: ServerSettings
+    capacity: EngineCapacity
+    grammars: GrammarCompiler | None  # None: no grammar compiler (structured outputs refused)
+
+
+def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
+    tokenizer, s, capacity, grammars = ctx.tokenizer, ctx.settings, ctx.capacity, ctx.grammars
     _check_n(req, s)
     if req.best_of is not None and req.best_of != req.n:
         raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
@@ -272,13 +277,8 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, tools: ToolMode | None = 
     raise bad(f"messages could not be rendered by the model's chat template: {why}", "messages")
 
 
-def chat_job(
-    req: ChatCompletionRequest,
-    tokenizer,
-    s: ServerSettings,
-    capacity: EngineCapacity,
-    grammars: GrammarCompiler | None,
-) -> Job:
+def chat_job(req: ChatCompletionRequest, ctx: JobContext) -> Job:
+    tokenizer, s, capacity, grammars = ctx.tokenizer, ctx.settings, ctx.capacity, ctx.grammars
     _check_n(req, s)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")

@@ -96,7 +96,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
     )
     async def completions(req: P.CompletionRequest, request: Request):
         check_model(req.model, s.served)
-        job = completion_job(req, s.tokenizer, s.settings, s.capacity, s.grammars)
+        job = completion_job(req, s)
         prompts = [s.tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
         run = admit(s, job, "cmpl")
         build = envelope(P.CompletionResponse, run, req.model, int(time.time()), s.fingerprint)
@@ -145,7 +145,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
     )
     async def chat(req: P.ChatCompletionRequest, request: Request):
         check_model(req.model, s.served)
-        job = chat_job(req, s.tokenizer, s.settings, s.capacity, s.grammars)
+        job = chat_job(req, s)
         run = admit(s, job, "chatcmpl")
         created = int(time.time())
 

@@ -47,13 +47,13 @@ def runner_reference(runner) -> Reference:
 
     @torch.no_grad()
     def ref(ids: list[int], n: int) -> torch.Tensor:
-        fast, runner.fast = runner.fast, None  # the eager path only
         slot = runner.cache.allocate()
         try:
-            return runner.forward([ids], [slot], logits="all")[0, -(n + 1) :].double().cpu()
+            with runner.eager():  # the eager path only
+                logits = runner.forward([ids], [slot], logits="all").logits
+            return logits[0, -(n + 1) :].double().cpu()
         finally:
             runner.cache.free(slot)
-            runner.fast = fast
 
     return ref
 
@@ -103,9 +103,9 @@ class RoundAudit:
         spec.accept = self._accept_hook
         spec.round = self._round_hook
 
-    def _round_hook(self, seqs):
+    def _round_hook(self, seqs, *rest):
         self._seqs, self._tokens = list(seqs), [s.tokens for s in seqs]
-        return self._round(seqs)
+        return self._round(seqs, *rest)
 
     def _plan_hook(self, seqs, ks):
         self._plan = self._plan_fn(seqs, ks)

@@ -9,6 +9,7 @@ import torch
 
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.head import Eagle3Head, HeadConfig, default_aux_layers
+from engine.drafters.eagle.step import HeadStep
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import FixedK
 from engine.requests.sequence import SpecParams
@@ -60,9 +61,11 @@ def echo_head(target, draft_vocab: int = 12) -> Eagle3Head:
     return head
 
 
-def eagle_engine(target, head, slots=4, k=None, max_len=256) -> SpecEngine:
+def eagle_engine(target, head, slots=4, k=None, max_len=256, accept=None) -> SpecEngine:
     ctl = FixedK(k) if k is not None else None
-    return helpers.engine_for(target, "eagle3", slots, max_len=max_len, controller=ctl, head=head)
+    return helpers.engine_for(
+        target, "eagle3", slots, max_len=max_len, controller=ctl, head=head, accept=accept
+    )
 
 
 def assert_greedy_ragged_equals_plain(engine, target, seed: int) -> None:
@@ -104,8 +107,8 @@ def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed
     x, ids, pos, last, slots = (t.to(d.device) for t in (x, ids, pos, last, slots))
     k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
     kv = d.kv_idx[: kv_len + (-kv_len) % 16]
-    o, logits = fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slots,
-                   d.shape, ingest)  # fmt: skip
+    step = HeadStep(ids, x, last, pos, pos, kv, slots, ingest)
+    o, logits = fn(step, d.weights, d.cache.k[0], d.cache.v[0], d.shape)
     written = d.cache.k[0][:rows, :, kv_len - q : kv_len].clone()
     d.cache.k[0].copy_(k0)
     d.cache.v[0].copy_(v0)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from engine.builder import make_drafter, make_engine
+from engine.builder import make_drafter, make_engine, target_runner
 from engine.config import EngineConfig
 from engine.engine import SpecEngine
+from engine.model.compiled import CompileConfig
 from engine.model.runner import ModelRunner
 
 # the device the tiny models are built on (``SPECD_TEST_DEVICE=cuda pytest ...`` runs the engine
@@ -97,12 +98,16 @@ def engine_for(
     num_layers: int | None = None,
     draft_dtype: torch.dtype | None = None,
     head=None,
+    compile: CompileConfig | None = None,
+    accept=None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
     builder makes from a config), from configs/default.yaml's drafter settings (n-gram sizes,
     the hybrid's ``ngram_fallback``, the adaptive controller's) with the method, ``k_max`` and
-    the sizes given here; eager (no compile), no 4-bit head, no grammar compiler.
+    the sizes given here; no 4-bit head, no grammar compiler; eager unless ``compile`` gives the
+    runners (the target's, a draft model's) a fast path. ``accept``: a wrong acceptance rule
+    (the controls of the checks that must catch one).
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -139,10 +144,13 @@ def engine_for(
         max_model_len=max_len,
         max_prefill_per_step=max_prefill,
         prefill_chunk_tokens=chunk,
+        compile=compile or CompileConfig(),
     )
-    runner = ModelRunner(target, num_slots=slots, max_len=max_len)
+    taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
+    runner = target_runner(cfg, target, taps)
     d = make_drafter(cfg, target, None, runner, draft=draft, head=head)
-    return make_engine(cfg, runner, d, list(eos), controller=controller)
+    rule = {} if accept is None else {"accept": accept}
+    return make_engine(cfg, runner, d, list(eos), controller=controller, **rule)
 
 
 def assert_speculated(runs, can_reject: bool = True, min_drafted: int = 1) -> tuple[int, int]:
@@ -227,13 +235,13 @@ class Paths:
     def __init__(self, runner: ModelRunner):
         assert runner.fast is not None
         self.runner, self.fast0, self.eager = runner, runner.fast.calls, 0
-        real = runner._eager
+        real = runner._eager_rows
 
         def eager(*args, **kwargs):
             self.eager += 1
             return real(*args, **kwargs)
 
-        runner._eager = eager  # type: ignore[method-assign]
+        runner._eager_rows = eager  # type: ignore[method-assign]
 
     @property
     def fast(self) -> int:
@@ -244,3 +252,20 @@ class Paths:
 def long_prompts(ps, q_max):
     """Prompts whose one-chunk prefill is longer than the largest q bucket (eager forwards)."""
     return sum(len(p) > q_max for p in ps)
+
+
+def float32_q4_engine(cfg: EngineConfig, target) -> SpecEngine:
+    """The engine ``build_engine`` makes of ``cfg`` over the loaded ``target`` (model,
+    tokenizer), its runners on the GGUF's 4-bit weights in float32, which ``build_engine``
+    keeps dense (torch's float32 int4 matmul is slow) and the lossless checks want (exact)."""
+    from engine.builder import eagle_head, eos_ids
+    from engine.model.quant import native_q4
+
+    model, tok = target
+    weights = native_q4(cfg.model.source, model)
+    assert weights is not None, "the GGUF's Q4_1 layers did not convert"
+    head = eagle_head(cfg.drafter.source, model) if cfg.drafter.method == "eagle3" else None
+    taps = tuple(head.config.aux_layers) if head is not None else ()
+    runner = target_runner(cfg, model, taps, weights)
+    drafter = make_drafter(cfg, model, tok, runner, head=head)
+    return make_engine(cfg, runner, drafter, eos_ids(model, tok))

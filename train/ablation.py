@@ -82,11 +82,11 @@ def held_out(args: argparse.Namespace, arms: list[argparse.Namespace]):
     rows = read_rows(Path(args.data) / args.eval_file, args.max_len, args.eval_rows)
     model, _ = load_model(DEFAULT_TARGET, args.dtype)
     slots = max(len(g) for g in batches(rows, args.tokens, 0))
-    runner = ModelRunner(model, num_slots=slots, max_len=args.max_len)
     out = []
     for ns in arms:
         head = load_head(ns.out, model.config.num_hidden_layers)
-        runner.taps = head.config.aux_layers
+        taps = tuple(head.config.aux_layers)
+        runner = ModelRunner(model, num_slots=slots, max_len=args.max_len, taps=taps)
         # the runner is dense, as every arm's fit (no arm sets native_q4)
         tag = cache_tag(DEFAULT_TARGET, ns.dtype, False, head.config.aux_layers)
         cache = FeatureCache(args.feature_cache or None, tag)

@@ -106,9 +106,9 @@ def target_features(runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> 
     """One forward of the target over ``rows`` (slots 0..B-1, nothing committed). ``predict``
     keeps the answer positions whose target top token is in the draft vocabulary (``t2d``)."""
     B, S = len(rows), max(len(r.ids) for r in rows)
-    h = runner.forward([r.ids for r in rows], list(range(B)), logits="hidden")  # [B, S, H]
-    assert runner.tapped is not None
-    feats = runner.tapped.to("cpu", copy=True)  # host tensors: cached (feature_cache.py)
+    h, tapped = runner.hidden([r.ids for r in rows], list(range(B)))  # [B, S, H]
+    assert tapped is not None
+    feats = tapped.to("cpu", copy=True)  # host tensors: cached (feature_cache.py)
     tokens = torch.zeros(B, S, dtype=torch.long)
     predict = torch.zeros(B, S, dtype=torch.bool)
     for b, r in enumerate(rows):

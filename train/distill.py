@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> None:
     from engine.config import EngineConfig
     from engine.requests.sequence import SpecParams
     from engine.round.sampling import SamplingParams
-    from loadtest.datasets import Prompt, encode
+    from prompts.sets import Prompt, encode
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
 
     from engine.config import DEFAULT_TARGET
     from engine.model.loader import load_model
-    from engine.model.quant import use_native_q4
+    from engine.model.quant import native_q4
     from engine.model.runner import ModelRunner
 
     if args.threads:
@@ -102,9 +102,6 @@ def run(args: argparse.Namespace) -> None:
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16)
     groups = batches(train_rows, args.tokens, seed=args.seed)
     slots = max(len(g) for g in groups + batches(eval_rows, args.tokens, 0))
-    runner = ModelRunner(model, num_slots=slots, max_len=args.max_len)
-    if args.native_q4:
-        use_native_q4(DEFAULT_TARGET, runner)
     if args.init:  # warm start from a head already trained (its vocabulary kept)
         head = load_head(args.init, model.config.num_hidden_layers)
         ids = head.draft_to_target
@@ -128,7 +125,13 @@ def run(args: argparse.Namespace) -> None:
             head.lm_head.weight.copy_(model.lm_head.weight[ids].float())
             head.norm.weight.copy_(model.model.norm.weight.float())
     head.to(dev)
-    runner.taps = head.config.aux_layers
+    runner = ModelRunner(
+        model,
+        num_slots=slots,
+        max_len=args.max_len,
+        taps=tuple(head.config.aux_layers),
+        weights=native_q4(DEFAULT_TARGET, model) if args.native_q4 else None,
+    )
     cache = FeatureCache(
         args.feature_cache or None,
         cache_tag(DEFAULT_TARGET, args.dtype, args.native_q4, head.config.aux_layers, dev.type),

@@ -15,7 +15,7 @@ from .data import first_exchanges
 def run(args: argparse.Namespace) -> None:
     from engine.config import DEFAULT_TARGET
     from engine.model.loader import load_model
-    from loadtest.datasets import Prompt, encode
+    from prompts.sets import Prompt, encode
 
     _, tok = load_model(DEFAULT_TARGET, "bfloat16")
     tok = cast(Any, tok)

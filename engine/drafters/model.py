@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.chain import Position, RowParams, draft_chain
 from engine.model.runner import ModelRunner
 from engine.requests.sequence import Sequence
 from engine.round.grammar import DraftGrammar
 from engine.round.plan import RoundPlan
 from engine.round.sampling import logits_to_probs, race
-from engine.transfer import to_device
 
 ADD_TOKENS = 2048  # the most padded prompt tokens one admission forward of the draft model takes
 
@@ -78,57 +78,37 @@ class ModelDrafter(DrafterBase):
         return [max(s.num_tokens - self.cache.lengths[s.slot] - 1, 0) for s in seqs]
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
-        ks, noise = plan.ks, plan.draft_noise
-        dev = self.runner.device
-        kmax = max(ks)
-        tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
-        # [batch, K, vocab]; an all-greedy batch (no draft noise planned) reports none: its
-        # drafts are the argmax, and the rule reads q only for rows that sample
-        probs = (
-            torch.zeros(len(seqs), kmax, self.vocab_size, device=dev) if noise is not None else None
-        )
-        rows = [b for b, k in enumerate(ks) if k > 0]
-        if not rows:
-            return Proposal(tokens, list(ks), probs)
-        cache = self.cache
-        idx = to_device(rows, torch.long, dev)
-        temp, top_k, top_p = plan.temperature[idx], plan.top_k[idx], plan.top_p[idx]
-        greedy = plan.greedy[idx]
-        catch_up = [seqs[b].token_array()[cache.lengths[seqs[b].slot] :].tolist() for b in rows]
-        counts = [len(f) for f in catch_up]
-        feed: list[list[int]] | torch.Tensor = catch_up  # then [rows, 1] drafted tokens
-        guide = DraftGrammar(seqs)
-        for j in range(kmax):
-            active = [i for i, b in enumerate(rows) if ks[b] > j]
-            if len(active) < len(rows):  # rows whose K is reached leave the draft batch
-                rows = [rows[i] for i in active]
-                idx = to_device(active, torch.long, dev)
-                temp, top_k, top_p, greedy = temp[idx], top_k[idx], top_p[idx], greedy[idx]
-                assert isinstance(feed, torch.Tensor)  # rows only leave after the first step
-                feed, counts = feed[idx], [counts[i] for i in active]
-            slots = [seqs[b].slot for b in rows]
-            logits = self.runner.forward(feed, slots, counts=counts)  # [rows, vocab']
-            logits = logits[:, : self.vocab_size]  # [rows, vocab]
+        """Feed each row what the draft model has not seen (its catch-up) and draft d_1 from the
+        last position, then feed each draft to draft the next (:func:`draft_chain`). d_K is never
+        fed; commit() trims the cache to the prefix the round kept."""
+        cache, noise = self.cache, plan.draft_noise
+
+        def step(at: Position, _: None) -> tuple[torch.Tensor, None]:
+            slots = [seqs[b].slot for b in at.rows]
+            if at.prev is None:  # the catch-up: every token past the draft's cache
+                feed = [
+                    seqs[b].token_array()[cache.lengths[s] :].tolist()
+                    for b, s in zip(at.rows, slots)
+                ]
+                counts = [len(f) for f in feed]
+                logits = self.runner.forward(feed, slots).logits  # [rows, vocab']
+            else:  # the previous draft, one token a row
+                counts = [1] * len(slots)
+                logits = self.runner.forward(at.prev[:, None], slots, counts).logits
             for s, n in zip(slots, counts):
                 cache.commit(s, cache.lengths[s] + n)
+            return logits[:, : self.vocab_size], None  # [rows, vocab]
+
+        def choose(logits, rows, row_t, j, p: RowParams, guide: DraftGrammar):
             logits = guide.mask(logits, rows)  # grammar rows: what the grammar allows next
-            q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)
+            q = logits_to_probs(logits[:, None], p.temperature, p.top_k, p.top_p, plan.filter_rows)
             q = q[:, 0]  # [rows, vocab]
-            row_t = to_device(rows, torch.long, dev)
-            if noise is not None:
-                sampled = race(q, noise[row_t, j])
-                tok = torch.where(greedy, q.argmax(-1), sampled)
-            else:
-                tok = q.argmax(-1)
-            tokens[row_t, j] = tok
-            if probs is not None:
-                probs[row_t, j] = q
-            if guide:
-                guide.took(tok.tolist(), rows)
-            feed, counts = tok[:, None], [1] * len(rows)  # [rows, 1]
-        guide.close()
-        # d_K is never fed; commit() trims the cache to the prefix the round kept.
-        return Proposal(tokens, list(ks), probs)
+            if noise is None:
+                return q.argmax(-1), q
+            return torch.where(p.greedy, q.argmax(-1), race(q, noise[row_t, j])), q
+
+        # q is reported when a row samples (draft noise planned); an all-greedy batch: none
+        return draft_chain(seqs, plan, self.vocab_size, noise is not None, step, choose)
 
     def commit(self, seqs: list[Sequence]) -> None:
         for s in seqs:

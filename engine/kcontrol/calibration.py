@@ -26,6 +26,7 @@ def calibrate(
     prefix: int = 32,
     widths: Sequence[int] = (0, 1, 3, 7),
     repeats: int = 2,
+    invariant: bool = False,
 ) -> None:
     """Time the target's forward at a few (B, w) (B = 1 and up to 4 free slots; w + 1 query
     tokens after a ``prefix``-token context) and the draft model's step (one token a row, and
@@ -35,7 +36,8 @@ def calibrate(
     The default widths are one per verify shape of the configs' fast path (q buckets 1, 2, 4
     and 8 query tokens): the cost of the cheapest draft, w = 1, is measured rather than read off
     a line through wider verifies, which priced it too dear where it decides whether K = 1 pays
-    (docs/measurements.md)."""
+    (docs/measurements.md). ``invariant``: the target's forwards are the batch-invariant ones
+    (deterministic mode "always" runs no other)."""
     # the lowest slots: the compiled path runs a forward over the row bucket of slots
     # [0, max slot] (engine/model/compiled.py), so slot 15 alone is priced as 16 rows
     slots = sorted(free_slots)[:4]
@@ -51,13 +53,15 @@ def calibrate(
     try:
         for r in runners:
             for s in slots:
-                r.forward([[1] * prefix], [s])  # context to attend to
+                r.forward([[1] * prefix], [s], invariant=invariant and r is target)  # context
                 r.cache.commit(s, prefix)
 
         def timed(runner: ModelRunner, batch: int, q: int) -> float:
             rows, row_slots = [[1] * q for _ in range(batch)], slots[:batch]
             return timing.time_call(
-                lambda: runner.forward(rows, row_slots, logits="all"),
+                lambda: runner.forward(
+                    rows, row_slots, logits="all", invariant=invariant and runner is target
+                ),
                 runner.device,
                 repeats=repeats,
                 warmup=1,

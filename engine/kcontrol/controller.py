@@ -94,9 +94,14 @@ class KController:
         path's buckets); a controller that prices rounds prices that shape."""
 
     def calibrate(
-        self, target: ModelRunner, draft: ModelRunner | None, free_slots: list[int]
+        self,
+        target: ModelRunner,
+        draft: ModelRunner | None,
+        free_slots: list[int],
+        invariant: bool = False,
     ) -> None:
-        """Measure what the controller needs, using only ``free_slots`` and freeing them again."""
+        """Measure what the controller needs, using only ``free_slots`` and freeing them again
+        (``invariant``: the target's forwards are the batch-invariant ones)."""
 
     def k_for(self, seq: Sequence, cap: int) -> int:
         """The row's K for this round, 0 <= K <= ``cap``."""
@@ -264,10 +269,10 @@ class AdaptiveK(KController):
     def price_shapes(self, shape):
         self.cost.shape = shape
 
-    def calibrate(self, target, draft, free_slots):
+    def calibrate(self, target, draft, free_slots, invariant=False):
         """Start-up calibration of the cost model (the engine calls it until it could run)."""
         if free_slots:
-            calibrate(self.cost, target, draft, free_slots)
+            calibrate(self.cost, target, draft, free_slots, invariant=invariant)
             self.calibrated = True
 
     # -- the rule -------------------------------------------------------------------------------

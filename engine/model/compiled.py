@@ -139,10 +139,10 @@ class FastForward:
     # -- one forward ----------------------------------------------------------------------------
     def run(
         self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int]
-    ) -> torch.Tensor | None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens;
-        returns their final-normed hidden states ``[batch, q, hidden]``, or None when the shape
-        is outside the buckets."""
+        returns their final-normed hidden states ``[batch, q, hidden]`` and tapped inputs
+        ``[batch, q, taps * hidden]``, or None when the shape is outside the buckets."""
         runner, dev = self.runner, self.runner.device
         q = ids.shape[1]
         shape = self.bucket_shape(max(slots) + 1, q)
@@ -157,10 +157,9 @@ class FastForward:
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
         kv_len = max(st + n for st, n in zip(starts, counts))
-        h = self._call(ids_b, pos, write_pos, self._kv_len(kv_len))
-        if runner.tapped is not None:  # the rows of this forward's slots
-            runner.tapped = runner.tapped[slot_t, :q]  # [batch, q, taps * hidden]
-        return h[slot_t, :q]  # [batch, q, hidden]
+        h, tapped = self._call(ids_b, pos, write_pos, self._kv_len(kv_len))
+        # the rows of this forward's slots
+        return h[slot_t, :q], (tapped[slot_t, :q] if tapped is not None else None)
 
     def _kv_len(self, kv_len: int) -> int:
         cache = self.runner.cache
@@ -171,10 +170,10 @@ class FastForward:
 
     def _call(
         self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and the
         host tensors pos, write_pos ``[nb, qb]``, keys read up to ``kv_len``; returns
-        final-normed hidden states ``[nb, qb, hidden]``."""
+        final-normed hidden states ``[nb, qb, hidden]`` and the tapped inputs."""
         dev = self.runner.device
         nb = ids.shape[0]
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r

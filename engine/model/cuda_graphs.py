@@ -24,8 +24,7 @@ Invariants:
 - All graphs share one memory pool, so a replay may overwrite any graph's outputs: a call's
   outputs are read (copied by :meth:`FastForward.run`'s row pick) before the next replay is
   queued, and nothing keeps them.
-- A graph holds the taps (EAGLE-3 features) the runner named at its capture: when the runner's
-  taps change, every graph is dropped and recaptured on use.
+- A graph holds the taps (EAGLE-3 features) of its runner, fixed at the runner's construction.
 - The same arithmetic as the eager path (the same kernels, minus launches; with
   ``compile.fuse``, inductor's fused kernels of the same layer functions), so the lossless
   tests hold through it; on a machine without CUDA the recorder re-runs the forward on the
@@ -77,19 +76,16 @@ class GraphForward(FastForward):
         self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
         self.captured: dict[tuple[int, int, int], Captured] = {}
         self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
-        self._taps = runner.taps
         self.pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
         # compile.fuse: the captured forward runs inductor's layer groups, not the eager stack
         self.groups = GuardedGroups(cfg.backend) if cfg.fuse else None
 
     def _call(
         self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`FastForward._call` (``kv_len`` a key-length bucket): fill the bucket's
-        static inputs, replay its graph (captured on first use), return its static output."""
+        static inputs, replay its graph (captured on first use), return its static outputs."""
         nb, qb = ids.shape
-        if self.runner.taps != self._taps:  # graphs record the taps of their capture
-            self.captured, self._taps = {}, self.runner.taps
         key = (nb, qb, kv_len)
         g = self.captured.get(key)
         if g is None:
@@ -99,8 +95,7 @@ class GraphForward(FastForward):
         copy_into(g.write_pos, write_pos)
         g.replay()
         self.calls += 1
-        self.runner.tapped = g.tapped
-        return g.out
+        return g.out, g.tapped
 
     def _kv_len(self, kv_len: int) -> int:
         return bucket(self.kv_buckets, kv_len) or self.kv_buckets[-1]
@@ -146,8 +141,7 @@ class GraphForward(FastForward):
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             groups = self.groups
             size = self.cfg.layers_per_graph if groups is not None else None
-            h = runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, groups, size)
-            return h, runner.tapped
+            return runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, groups, size)
 
         (out, tapped), replay = record_on(dev, forward, self.pool)
         self.captures += 1

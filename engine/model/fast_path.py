@@ -1,8 +1,9 @@
-"""Which fast path a runner gets, and the one way out of it.
+"""Which fast path a runner gets.
 
 :func:`make_fast` picks the compiled fixed-shape forward (engine/model/compiled.py) or, where the
-mode asks for it or the device is CUDA, the graph-captured one (engine/model/cuda_graphs.py);
-:func:`disable` drops it after a failure, so the runner runs eagerly from then on.
+mode asks for it or the device is CUDA, the graph-captured one (engine/model/cuda_graphs.py); the
+runner builds it at construction and drops it after a failure, running eagerly from then on;
+:func:`path_of` names the path a runner takes now.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward
 from engine.model.cuda_graphs import GraphForward
 from engine.model.q4_matmul import Q4Weight
@@ -46,33 +46,9 @@ def make_fast(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> FastForwar
     return FastForward(runner, cfg, k_max)
 
 
-def attach(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> None:
-    """Give ``runner`` a compiled path (compiled lazily: call :func:`warm_up` before serving)."""
-    if cfg.enabled:
-        runner.fast = make_fast(runner, cfg, k_max)
-
-
-def warm_up(runner: ModelRunner) -> None:
-    """Compile and run every bucket of ``runner``'s fast path (if any, and ``warmup`` is set); on
-    any failure warn and stay eager."""
-    fast = runner.fast
-    if fast is None or not fast.cfg.warmup:
-        return
-    try:
-        fast.warm_up()
-    except Exception as e:  # noqa: BLE001 -- a compile failure must never kill the server
-        disable(runner, e)
-
-
-def disable(runner: ModelRunner, err: Exception) -> None:
-    """Drop ``runner``'s compiled path after ``err`` (logged); it runs eagerly from then on."""
-    warn_fallback(log, f"compiled {runner.name} forward", err, "running eagerly from now on")
-    runner.fast = None
-
-
 def path_of(runner: ModelRunner) -> str:
     """The path ``runner``'s small forwards take now: ``cuda-graphs`` (captured; on CPU a replay
-    re-runs the forward), ``compiled``, or ``eager`` (none attached, or dropped after a
+    re-runs the forward), ``compiled``, or ``eager`` (none built, or dropped after a
     failure); with 4-bit layers, ``+q4-<kernel>`` names the matmul kernel they run on."""
     fast = runner.fast
     path = (

@@ -31,8 +31,7 @@ import torch
 from engine.model.layer import layer_group
 
 if TYPE_CHECKING:
-    from engine.model.layer import LayerShape
-    from engine.model.weights import LayerWeights
+    from engine.model.layer import Caches, Group, GroupOut, LayerInputs
 
 
 class GroupGraphs:
@@ -45,29 +44,18 @@ class GroupGraphs:
         self._structures: dict[tuple, tuple] = {}  # weight ids -> (the weights, structure)
 
     def __call__(
-        self,
-        h: torch.Tensor,
-        ws: tuple[LayerWeights, ...],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor,
-        kcs: tuple[torch.Tensor, ...],
-        vcs: tuple[torch.Tensor, ...],
-        slot_t: torch.Tensor,
-        write_pos: torch.Tensor,
-        first_slot: int | None,
-        shape: LayerShape,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self, h: torch.Tensor, ws: Group, kcs: Caches, vcs: Caches, at: LayerInputs
+    ) -> GroupOut:
         B, q = h.shape[0], h.shape[1]
         dims = (B == 1, q == 1) if self.dynamic else (B, q)
-        key = (dims, first_slot is None, self._structure(ws))
+        key = (dims, at.first_slot is None, self._structure(ws))
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = self._compile()
-            self._mark(h, cos, sin, mask, slot_t, write_pos)
-        return fn(h, ws, cos, sin, mask, kcs, vcs, slot_t, write_pos, first_slot, shape)
+            self._mark(h, at)
+        return fn(h, ws, kcs, vcs, at)
 
-    def _structure(self, ws: tuple[LayerWeights, ...]) -> tuple:
+    def _structure(self, ws: Group) -> tuple:
         """The weight structure of a group (see the module docstring), cached by the identity of
         its weights (held, so an id is never reused while cached)."""
         ids = tuple(map(id, ws))
@@ -88,12 +76,13 @@ class GroupGraphs:
         """A compiled :func:`layer_group` with entries of its own and no guards."""
         return compile_guardless(layer_group, self.backend, self.mode)
 
-    def _mark(self, h, cos, sin, mask, slot_t, write_pos) -> None:
+    def _mark(self, h: torch.Tensor, at: LayerInputs) -> None:
         """Mark the dynamic dimensions of the call that compiles a key: the key length (unless
         graphs read the whole cache: CUDA graphs), and with dynamic shapes batch and q (only
         sizes above 1: the key holds whether they are 1)."""
         import torch._dynamo as dynamo
 
+        cos, sin, mask, slot_t, write_pos = at.cos, at.sin, at.mask, at.slot_t, at.write_pos
         marks: list[tuple[torch.Tensor, int]] = [] if self.full_kv else [(mask, 3)]
         if self.dynamic:
             marks += [(h, 0), (h, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2), (mask, 0)]

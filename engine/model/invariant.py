@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from engine.model.layer import _gate_up, _qkv, _rotate_half, linear, rms_norm
+from engine.model.layer import linear, project_gate_up, project_qkv, rms_norm, rotate_half
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -60,9 +60,10 @@ def forward(
     starts: list[int],
     counts: list[int],
     mode: str,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:meth:`ModelRunner.forward` computed batch-invariantly (same arguments and results;
-    ``mode`` is its ``logits``)."""
+    ``mode`` is its ``logits``, or ``"hidden"``: :meth:`ModelRunner.hidden`'s states): the
+    logits or states, and the tapped inputs."""
     dev, (batch, q) = runner.device, ids.shape
     rows = [(b, j) for b in range(batch) for j in range(counts[b])]  # the real tokens
     n = len(rows)
@@ -84,15 +85,15 @@ def forward(
             taps.append(h)
         h = _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups)
     h = tiled(runner.norm, h)
-    runner.tapped = _unflatten(torch.cat(taps, -1), b_idx, j_idx, batch, q) if taps else None
+    tapped = _unflatten(torch.cat(taps, -1), b_idx, j_idx, batch, q) if taps else None
     if mode == "hidden":
-        return _unflatten(h, b_idx, j_idx, batch, q)  # [batch, q, hidden]
+        return _unflatten(h, b_idx, j_idx, batch, q), tapped  # [batch, q, hidden]
     if mode == "last":
         ends = torch.tensor(counts, device=dev).cumsum(0) - 1  # each row's last token
         last = torch.zeros(-(-batch // TILE) * TILE, h.shape[-1], dtype=h.dtype, device=dev)
         last[:batch] = h[ends]
-        return tiled(runner.logits, last)[:batch]  # [batch, vocab]
-    return _unflatten(tiled(runner.logits, h), b_idx, j_idx, batch, q)  # [batch, q, vocab]
+        return tiled(runner.logits, last)[:batch], tapped  # [batch, vocab]
+    return _unflatten(tiled(runner.logits, h), b_idx, j_idx, batch, q), tapped  # [batch, q, vocab]
 
 
 def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups) -> torch.Tensor:
@@ -100,13 +101,13 @@ def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups) -> torch.Tensor:
     sh = runner.shape
     nh, kvh, hd = sh.num_heads, sh.kv_heads, sh.head_dim
     x = tiled(lambda t: rms_norm(t, w.input_norm, sh.eps), h)
-    qs, ks, vs = (t.view(t.shape[0], -1, hd) for t in tiled_n(lambda t: _qkv(t, w, sh), x))
+    qs, ks, vs = (t.view(t.shape[0], -1, hd) for t in tiled_n(lambda t: project_qkv(t, w, sh), x))
     # [tokens, heads or kv_heads, head_dim]
     if w.q_norm is not None and w.k_norm is not None:  # qwen3
         qs = tiled(lambda t: rms_norm(t, w.q_norm, sh.eps), qs)
         ks = tiled(lambda t: rms_norm(t, w.k_norm, sh.eps), ks)
-    qs = qs * cos + _rotate_half(qs) * sin
-    ks = ks * cos + _rotate_half(ks) * sin
+    qs = qs * cos + rotate_half(qs) * sin
+    ks = ks * cos + rotate_half(ks) * sin
     kc, vc = runner.cache.k[i], runner.cache.v[i]  # [slots, kv_heads, max_len+1, head_dim]
     kc[slot_t[:n], :, pos_t[:n]] = ks[:n]
     vc[slot_t[:n], :, pos_t[:n]] = vs[:n]
@@ -121,7 +122,7 @@ def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups) -> torch.Tensor:
         o[idx] = (torch.softmax(s, -1) @ v).view(len(idx), nh * hd).to(h.dtype)
     h = h + tiled(lambda t: linear(t, w.o), o)
     x = tiled(lambda t: rms_norm(t, w.post_norm, sh.eps), h)
-    g, u = tiled_n(lambda t: _gate_up(t, w), x)
+    g, u = tiled_n(lambda t: project_gate_up(t, w), x)
     g = F.silu(g) if sh.act == "silu" else ACT2FN[sh.act](g)
     return h + tiled(lambda t: linear(t, w.down), g * u)
 
@@ -156,19 +157,19 @@ def check(runner: ModelRunner, probe: int | None = None) -> None:
     a, b = (cache.allocate(s) for s in free)
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(0, runner.vocab_size, (probe,), generator=g).tolist()
-    was, runner.invariant = runner.invariant, True
     try:
-        whole = runner.forward([toks], [a], logits="all")[0]  # [probe, vocab]
+        one = runner.forward([toks], [a], logits="all", invariant=True)
+        whole = one.logits[0]  # [probe, vocab]
         ways = []
         for step in (1, 2):
             pieces = []
             for i in range(0, probe, step):
                 cache.commit(a, i)
-                out = runner.forward([toks[i : i + step], toks[: step + 1]], [a, b], logits="all")
+                rows = [toks[i : i + step], toks[: step + 1]]
+                out = runner.forward(rows, [a, b], logits="all", invariant=True).logits
                 pieces.append(out[0, : len(toks[i : i + step])])
             ways.append(torch.cat(pieces))
     finally:
-        runner.invariant = was
         cache.free(a)
         cache.free(b)
     for step, got in zip((1, 2), ways):

@@ -28,7 +28,7 @@ import math
 import torch
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeros; on CPU from calloc'd memory, resident only where written (see the docstring)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -68,8 +68,8 @@ class SlotKVCache:
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN (0 * NaN = NaN).
         # per layer: [slots, kv_heads, max_len+1, head_dim]
-        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from engine.model.weights import Weight
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -88,7 +88,7 @@ def qkv_split(w: LayerWeights, shape: LayerShape) -> tuple[int, int, int]:
     return qs, ks, vs
 
 
-def _qkv(
+def project_qkv(
     x: torch.Tensor, w: LayerWeights, shape: LayerShape
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K and V of ``x`` ``[batch, q, hidden]``: ``[batch, q, heads or kv_heads * head_dim]``."""
@@ -109,7 +109,7 @@ def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Te
         y = linear(x, w.qkv)  # [batch, q, q_out + k_out + v_out]
         nv = qkv_split(w, shape)[2]
         return y[..., :-nv], y[..., -nv:]
-    qs, ks, vs = _qkv(x, w, shape)
+    qs, ks, vs = project_qkv(x, w, shape)
     if w.q_norm is not None and w.k_norm is not None:  # qwen3
         B, q, hd = x.shape[0], x.shape[1], shape.head_dim
         qs = rms_norm(qs.reshape(B, q, -1, hd), w.q_norm, shape.eps).flatten(2)
@@ -117,7 +117,7 @@ def _qk_v(x: torch.Tensor, w: LayerWeights, shape: LayerShape) -> tuple[torch.Te
     return torch.cat([qs, ks], dim=-1), vs
 
 
-def _gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+def project_gate_up(x: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate and up projections of ``x`` ``[batch, q, hidden]``: ``[batch, q, intermediate]``."""
     if isinstance(w.gate_up, torch.Tensor):  # one fused dense matrix: gate rows, then up rows
         g, u = linear(x, w.gate_up).chunk(2, dim=-1)
@@ -215,19 +215,28 @@ def grouped_sdpa(
     return o.reshape(B, nh, q, hd)  # a copy where the kernel's output is laid out by row
 
 
-def layer_group(
-    h: torch.Tensor,
-    ws: tuple[LayerWeights, ...],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: torch.Tensor,
-    kcs: tuple[torch.Tensor, ...],
-    vcs: tuple[torch.Tensor, ...],
-    slot_t: torch.Tensor,
-    write_pos: torch.Tensor,
-    first_slot: int | None,
-    shape: LayerShape,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+class LayerInputs(NamedTuple):
+    """What every decoder layer of one forward reads besides its own weights and cache."""
+
+    cos: torch.Tensor  # [batch, 1, q, head_dim] the rotary embedding of each query position
+    sin: torch.Tensor  # [batch, 1, q, head_dim]
+    # [batch, 1, q, kv_len] (or already grouped_mask'ed): which keys a query attends to, bool or
+    # additive (0 / -inf)
+    mask: torch.Tensor
+    slot_t: torch.Tensor  # [batch] each row's slot
+    write_pos: torch.Tensor  # [batch, q] the cache column each query token's K/V is written to
+    # keys are read as a view of slots first_slot .. when the rows are consecutive slots from
+    # there; None: gathered by slot_t
+    first_slot: int | None
+    shape: LayerShape
+
+
+Group = tuple[LayerWeights, ...]  # the weights of consecutive layers
+Caches = tuple[torch.Tensor, ...]  # their K (or V) caches, [slots, kv_heads, max_len+1, head_dim]
+GroupOut = tuple[torch.Tensor, list[torch.Tensor]]  # the output, and each layer's input
+
+
+def layer_group(h: torch.Tensor, ws: Group, kcs: Caches, vcs: Caches, at: LayerInputs) -> GroupOut:
     """Consecutive decoder layers (weights ``ws``, their caches ``kcs`` / ``vcs``), the unit
     that the compiled path compiles (engine/model/compiled.py: one graph serves every group of
     the same structure; a graph per layer pays Dynamo's per-call cost once per layer, one of
@@ -236,34 +245,25 @@ def layer_group(
     inputs = []
     for w, kc, vc in zip(ws, kcs, vcs):
         inputs.append(h)
-        h = decoder_layer(h, w, cos, sin, mask, kc, vc, slot_t, write_pos, first_slot, shape)
+        h = decoder_layer(h, w, kc, vc, at)
     return h, inputs
 
 
 def decoder_layer(
     h: torch.Tensor,
     w: LayerWeights,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    mask: torch.Tensor,
     kc: torch.Tensor,
     vc: torch.Tensor,
-    slot_t: torch.Tensor,
-    write_pos: torch.Tensor,
-    first_slot: int | None,
-    shape: LayerShape,
+    at: LayerInputs,
     x: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One Llama-family decoder layer over the slot cache, weights passed in, so one compiled
     graph serves every layer. h ``[batch, q, hidden]`` (the residual stream); ``x`` the
     attention's input (default ``rms_norm(h)``; the EAGLE-3 head's layer attends over
     [normed token embedding, normed feature] ``[batch, q, 2 hidden]``,
-    engine/drafters/eagle/head.py); cos/sin ``[batch, 1, q, head_dim]``; mask ``[batch, 1, q,
-    kv_len]`` (or already :func:`grouped_mask`); kc/vc this layer's
-    cache ``[slots, kv_heads, max_len+1, head_dim]`` (written in place at ``write_pos``
-    ``[batch, q]`` of rows ``slot_t`` ``[batch]``). Keys are read as a view of slots
-    ``first_slot ..`` when the rows are consecutive slots from there, else gathered by
-    ``slot_t``. Returns h ``[batch, q, hidden]``."""
+    engine/drafters/eagle/head.py); kc/vc this layer's cache ``[slots, kv_heads, max_len+1,
+    head_dim]``, written in place at ``at.write_pos``. Returns h ``[batch, q, hidden]``."""
+    cos, sin, mask, slot_t, write_pos, first_slot, shape = at
     B, q, _ = h.shape
     nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
     kv_len = mask.shape[-1]
@@ -273,7 +273,7 @@ def decoder_layer(
     vs = vs.reshape(B, q, kvh, hd)  # [batch, q, kv_heads, head_dim]
     # RoPE on queries and keys as one tensor (the same elementwise arithmetic, half the calls)
     qk = qk.view(B, q, nh + kvh, hd).transpose(1, 2)
-    qk = qk * cos + _rotate_half(qk) * sin  # [batch, heads + kv_heads, q, head_dim]
+    qk = qk * cos + rotate_half(qk) * sin  # [batch, heads + kv_heads, q, head_dim]
     qs, ks = qk[:, :nh], qk[:, nh:]  # [batch, heads | kv_heads, q, head_dim]
     kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
     vc[slot_t[:, None], :, write_pos] = vs
@@ -290,6 +290,6 @@ def decoder_layer(
         )  # [batch, heads, q, head_dim]
     h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), w.o)
     x = rms_norm(h, w.post_norm, shape.eps)
-    g, u = _gate_up(x, w)
+    g, u = project_gate_up(x, w)
     g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)
     return h + linear(g * u, w.down)

@@ -28,13 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.model.q4_matmul import GROUP, dequantized, pack
-from engine.model.weights import BIAS, FUSED, check_fields
+from engine.model.q4_matmul import GROUP, Q4Weight, dequantized, pack
+from engine.model.weights import BIAS, FUSED, LayerWeights, ModelWeights, check_fields, from_layer
 
 if TYPE_CHECKING:
     import gguf
-
-    from engine.model.runner import ModelRunner
 
 log = logging.getLogger("specd.quant")
 
@@ -76,31 +74,30 @@ def _same(deq: torch.Tensor, dense: torch.Tensor) -> bool:
     return err <= 1e-6 * max(1.0, dense.float().abs().amax().item())
 
 
-def use_native_q4(source: str, runner: ModelRunner, *sharing: ModelRunner | None) -> int:
-    """``model.native_q4``: keep the Q4_1 layers of the GGUF ``source`` 4-bit in ``runner``, and
-    in each runner of ``sharing`` that runs the same model (the self / first-N-layers drafter).
-    Returns the number of matrices converted."""
+def native_q4(source: str, model) -> ModelWeights | None:
+    """``model.native_q4``: the weights of ``model`` with the Q4_1 layers of the GGUF ``source``
+    kept 4-bit and its Q8_0 LM head as two 4-bit halves, for
+    :class:`~engine.model.runner.ModelRunner`'s ``weights`` (a self-draft of the first N layers
+    shares them); None (dense weights) when the source is no GGUF or nothing converts."""
     from engine.model.loader import resolve_source
 
     r = resolve_source(source)
     if r.kind != "gguf":
         log.warning("model.native_q4 needs a GGUF model source; keeping dense weights")
-        return 0
+        return None
     import gguf
 
     reader = gguf.GGUFReader(str(r.location))  # parsed once for both conversions (seconds)
-    n = convert_q4_1(reader, runner)
-    head = convert_q8_0_head(reader, runner) if n else False
+    layers, n = convert_q4_1(reader, model)
+    if not n:
+        return None
+    head = convert_q8_0_head(reader, model)
     log.info(
         "native_q4: %d Q4_1 matrices kept 4-bit%s",
         n,
-        ", Q8_0 LM head as two 4-bit halves" if head else "",
+        ", Q8_0 LM head as two 4-bit halves" if head is not None else "",
     )
-    for other in sharing:
-        if n and other is not None and other.model is runner.model:
-            other.weights = runner.weights[: len(other.weights)]
-            other.head = runner.head
-    return n
+    return ModelWeights(layers, head)
 
 
 def _reader(gguf_file) -> gguf.GGUFReader:
@@ -110,39 +107,43 @@ def _reader(gguf_file) -> gguf.GGUFReader:
     return gguf_file if isinstance(gguf_file, gguf.GGUFReader) else gguf.GGUFReader(str(gguf_file))
 
 
-def convert_q4_1(gguf_file, runner: ModelRunner, fuse: bool = True) -> int:
-    """Replace ``runner``'s dense Q4_1 projections by :class:`Q4Weight` (CPU only; scales in the
-    runner's dtype). ``gguf_file``: a path or a ``GGUFReader``. Returns the number of file
-    matrices converted (0 when the file has none, or on any mismatch). ``fuse``: a layer's Q, K
-    and V become one matrix ``qkv`` (one matmul instead of three) and so do gate and up
-    (``gate_up``), when all of them are Q4_1 and there are no biases."""
-    if runner.device.type != "cpu":
+def convert_q4_1(gguf_file, model, fuse: bool = True) -> tuple[list[LayerWeights], int]:
+    """The decoder layers' weights of ``model`` with its dense Q4_1 projections replaced by
+    :class:`Q4Weight` (CPU only; scales in the model's dtype), and the number of file matrices
+    converted (0, and the dense weights, when the file has none or on any mismatch).
+    ``gguf_file``: a path or a ``GGUFReader``. ``fuse``: a layer's Q, K and V become one matrix
+    ``qkv`` (one matmul instead of three) and so do gate and up (``gate_up``), when all of them
+    are Q4_1 and there are no biases."""
+    weights = [from_layer(layer) for layer in model.model.layers]
+    p = next(model.parameters())
+    if p.device.type != "cpu":
         log.warning("native_q4 runs on CPU only; keeping dense weights")
-        return 0
+        return weights, 0
     reader = _reader(gguf_file)
-    heads, kv_heads = runner.shape.num_heads, runner.shape.kv_heads
+    heads = model.config.num_attention_heads
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
     blocks: dict[tuple[int, str], _Blocks] = {}  # (layer, field) -> (q, d, m) as in the file
     for t in reader.tensors:
         parts = t.name.split(".")  # blk.<i>.<name>.weight
         if parts[0] != "blk" or parts[2] not in _FIELDS or t.tensor_type.name != "Q4_1":
             continue
         i, field = int(parts[1]), _FIELDS[parts[2]]
-        if i >= len(runner.weights):
+        if i >= len(weights):
             continue
         cols, rows = (int(x) for x in t.shape)  # GGUF lists the inner dimension first
         q, d, m = _blocks(np.asarray(t.data), rows, cols)
         if parts[2] in ("attn_q", "attn_k"):
             perm = _row_perm(rows, heads if parts[2] == "attn_q" else kv_heads)
             q, d, m = q[perm], d[perm], m[perm]
-        dense = getattr(runner.weights[i], field)
+        dense = getattr(weights[i], field)
         deq = dequantized(q, d, m)  # d, m are the file's fp16 values: exact
         if tuple(dense.shape) != (rows, cols) or not _same(deq, dense):
             log.warning("GGUF tensor %s does not match the loaded weights; keeping dense", t.name)
-            return 0
+            return weights, 0
         blocks[i, field] = (q, d, m)
     count = len(blocks)
     new = []
-    for i, w in enumerate(runner.weights):
+    for i, w in enumerate(weights):
         fields: dict[str, Any] = {}  # field name -> Q4Weight, or None (in a fused matrix)
         for fused, group in FUSED.items() if fuse else ():
             biases = [getattr(w, BIAS[f]) for f in group if f in BIAS]
@@ -150,14 +151,13 @@ def convert_q4_1(gguf_file, runner: ModelRunner, fuse: bool = True) -> int:
                 members = [blocks.pop((i, f)) for f in group]
                 q, d, m = (np.concatenate(x) for x in zip(*members))
                 split = tuple(b[0].shape[0] for b in members)
-                fields[fused] = pack(q, d, m, runner.dtype, split=split)
+                fields[fused] = pack(q, d, m, p.dtype, split=split)
                 fields.update(dict.fromkeys(group))  # computed by the fused matrix
         for field in _FIELDS.values():
             if (i, field) in blocks:
-                fields[field] = pack(*blocks.pop((i, field)), runner.dtype)
+                fields[field] = pack(*blocks.pop((i, field)), p.dtype)
         new.append(w._replace(**fields))  # an unknown field name raises here
-    runner.weights = new
-    return count
+    return new, count
 
 
 def _q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -169,23 +169,23 @@ def _q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.
     return q.reshape(rows, cols), d
 
 
-def convert_q8_0_head(gguf_file, runner: ModelRunner) -> bool:
+def convert_q8_0_head(gguf_file, model) -> Q4Weight | None:
     """Run the LM head from the file's Q8_0 blocks (``output.weight``, or ``token_embd.weight``
     when the embeddings are tied) as one 4-bit matmul: each 8-bit weight ``q`` (+128, 0..255)
     is its high and low nibble, ``d·q = 16d·(hi - 8) + d·(lo - 8) + 8d``, so the head is
     ``[x, x] @ [W_hi | W_lo].T`` over 2x the input width, groups of 32 with (scale, zero) =
     (16d, 0) on the high half and (d, 8d) on the low half: half the bytes of a bf16 head, which a
     decode step reads whole from memory. Checked against the dense head like every layer
-    matrix; returns False (head stays dense) when the file has no Q8_0 head or it differs.
+    matrix; returns None (the head stays dense) when the file has no Q8_0 head or it differs.
     ``gguf_file``: a path or a ``GGUFReader``."""
-    if runner.device.type != "cpu":
-        return False
+    if next(model.parameters()).device.type != "cpu":
+        return None
     tensors = {t.name: t for t in _reader(gguf_file).tensors}
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None or t.tensor_type.name != "Q8_0":
-        return False
+        return None
     cols, rows = (int(x) for x in t.shape)
-    dense = runner.lm_head.weight
+    dense = model.lm_head.weight
     q, d = _q8_0_blocks(np.asarray(t.data), rows, cols)
     step = 4096  # rows per check (float copies of the whole head would be ~450 MB at once)
     if tuple(dense.shape) != (rows, cols) or not all(
@@ -196,10 +196,9 @@ def convert_q8_0_head(gguf_file, runner: ModelRunner) -> bool:
         for i in range(0, rows, step)
     ):
         log.warning("GGUF tensor %s does not match the LM head; keeping it dense", t.name)
-        return False
+        return None
     u = q.view(np.uint8) ^ np.uint8(0x80)  # q + 128, 0..255
     nib = np.concatenate([u >> 4, u & 15], axis=1)  # [rows, 2 cols]: high half, then low half
     scale = np.concatenate([16 * d, d], axis=1)  # [rows, 2 cols / 32]
     offset = np.concatenate([-128 * d, np.zeros_like(d)], axis=1)  # pack's m: w = d'·n + m
-    runner.head = pack(nib, scale, offset, runner.dtype)
-    return True
+    return pack(nib, scale, offset, dense.dtype)

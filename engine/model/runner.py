@@ -12,15 +12,20 @@ qwen3 (the SmolLM2 default is llama).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
-from engine.model import invariant
-from engine.model.compiled import FastForward
-from engine.model.fast_path import disable
+from engine.fallback import warn_fallback
+from engine.model import invariant as batch_invariant
+from engine.model.compiled import CompileConfig, FastForward
+from engine.model.fast_path import log as fast_log
+from engine.model.fast_path import make_fast
 from engine.model.kv_cache import SlotKVCache
 from engine.model.layer import (
+    LayerInputs,
     additive_mask,
     config_shape,
     grouped_mask,
@@ -29,7 +34,7 @@ from engine.model.layer import (
     varying_shape_attention,
 )
 from engine.model.q4_matmul import Q4Weight, q4_linear
-from engine.model.weights import LayerWeights, from_layer, fuse_dense
+from engine.model.weights import LayerWeights, ModelWeights, dense_weights
 from engine.transfer import to_device
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,17 +44,39 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class Forward(NamedTuple):
+    """What one forward returns."""
+
+    logits: torch.Tensor  # float32 [batch, vocab] ("last") or [batch, q, vocab] ("all")
+    # the inputs of the layers in ``taps``, concatenated in order: [batch, q, len(taps) * hidden]
+    # (positions past a row's count are garbage); None when the runner taps no layer
+    tapped: torch.Tensor | None
+
+
+class Hidden(NamedTuple):
+    """:meth:`ModelRunner.hidden`'s result (drafter training)."""
+
+    states: torch.Tensor  # the final-normed hidden states [batch, q, hidden]
+    tapped: torch.Tensor | None  # as Forward.tapped
+
+
 class ModelRunner:
     """Our decoder loop over a transformers model's weights and a :class:`SlotKVCache` of
     ``num_slots`` rows of up to ``max_len`` tokens (capped by the model's maximum positions).
-    ``num_layers``: run only the first N layers (the early-layers self-draft)."""
 
-    fast: FastForward | None  # the compiled path (engine/model/compiled.py), once attached
-    head: Q4Weight | None  # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head)
-    # layers whose *inputs* every forward records (an EAGLE-3 drafter reads them), and what the
-    # last forward recorded: [batch, q, len(taps) * hidden], the taps concatenated in order
-    taps: tuple[int, ...]
-    tapped: torch.Tensor | None
+    Chosen once, here:
+
+    - ``num_layers``: run only the first N layers (the early-layers self-draft);
+    - ``taps``: the layers whose *inputs* every forward returns (an EAGLE-3 drafter reads them);
+    - ``weights``: the layer weights and LM head (:func:`engine.model.quant.native_q4`'s 4-bit
+      ones; default: the model's dense weights); a runner of the first N layers takes the
+      first N of them, so a self-draft shares the target's;
+    - ``compile``: the fast path of small forwards (compiled or graph-captured,
+      engine/model/fast_path.py), built for drafts of up to ``k_max`` tokens; None: eager.
+      A fast path that fails is dropped, with a warning, and the runner runs eagerly after.
+
+    Per forward: ``invariant`` runs the batch-invariant forward of deterministic mode
+    (engine/model/invariant.py)."""
 
     def __init__(
         self,
@@ -58,6 +85,11 @@ class ModelRunner:
         max_len: int,
         num_layers: int | None = None,
         name: str = "target",
+        *,
+        taps: tuple[int, ...] = (),
+        weights: ModelWeights | None = None,
+        compile: CompileConfig | None = None,
+        k_max: int = 0,
     ):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -73,16 +105,19 @@ class ModelRunner:
             if not 1 <= num_layers <= len(layers):
                 raise ValueError(f"num_layers must be in 1..{len(layers)}, got {num_layers}")
             layers = layers[:num_layers]
+        if any(not 0 <= t < len(layers) for t in taps):
+            raise ValueError(f"taps {taps}: the runner has {len(layers)} layers")
         self.lm_head = model.lm_head
         self.vocab_size = self.lm_head.out_features
         self.shape, max_positions = config_shape(cfg, layers[0].input_layernorm)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # on CUDA, Q/K/V and gate/up as one matrix each: fewer, larger matmuls a layer
-        fuse = self.device.type == "cuda"
-        self.weights: list[LayerWeights] = [
-            fuse_dense(layer) if fuse else from_layer(layer) for layer in layers
-        ]
+        if weights is None:
+            weights = dense_weights(model)
+        self.weights: list[LayerWeights] = weights.layers[: len(layers)]
+        # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head), or None: dense
+        self.head: Q4Weight | None = weights.head
+        self.taps = tuple(taps)
         self.max_len = max_len if max_positions is None else min(max_len, max_positions)
         self.cache = SlotKVCache(
             len(layers),
@@ -93,11 +128,45 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.fast = None
-        self.head = None
-        self.taps, self.tapped = (), None
-        # deterministic mode (engine/model/invariant.py): forwards computed batch-invariantly
-        self.invariant = False
+        self._fast: FastForward | None = None
+        if compile is not None and compile.enabled:
+            self._fast = make_fast(self, compile, k_max)
+        self._eager_only = False  # inside :meth:`eager`
+
+    def model_weights(self) -> ModelWeights:
+        """The weights this runner computes with (another runner of the same model shares
+        them: the first-N-layers self-draft)."""
+        return ModelWeights(self.weights, self.head)
+
+    @property
+    def fast(self) -> FastForward | None:
+        """The fast path small forwards take (None: eager; dropped after a failure)."""
+        return self._fast
+
+    def warm_up(self) -> None:
+        """Compile (or capture) every bucket of the fast path, if any and ``warmup`` is set, so
+        no request waits for a compile; on any failure warn and run eagerly from then on."""
+        fast = self._fast
+        if fast is None or not fast.cfg.warmup:
+            return
+        try:
+            fast.warm_up()
+        except Exception as e:  # noqa: BLE001 -- a compile failure must never kill the server
+            self._drop_fast(e)
+
+    def _drop_fast(self, err: Exception) -> None:
+        warn_fallback(fast_log, f"compiled {self.name} forward", err, "running eagerly from now on")
+        self._fast = None
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """Forwards inside run the eager path (reference computations of tests and benchmarks
+        against the fast path, over the same cache)."""
+        was, self._eager_only = self._eager_only, True
+        try:
+            yield
+        finally:
+            self._eager_only = was
 
     # -- one ragged forward -------------------------------------------------------------------
     @torch.inference_mode()
@@ -107,59 +176,80 @@ class ModelRunner:
         slots: list[int],
         counts: list[int] | None = None,
         logits: str = "last",
-    ) -> torch.Tensor:
+        invariant: bool = False,
+    ) -> Forward:
         """Feed each row's new tokens to slot ``slots[b]`` at its committed length.
 
         ``tokens`` is a host list of lists, or a device tensor ``[batch, q]`` with ``counts`` (host
         ints) giving the valid prefix of each row (so drafted tokens never leave the device).
-        Returns ``logits="last"`` -> ``[batch, vocab]`` at each row's last valid token, or
-        ``logits="all"`` -> ``[batch, q, vocab]`` (positions past a row's count are garbage), or
-        ``logits="hidden"`` -> the final-normed hidden states ``[batch, q, hidden]``.
+        ``logits="last"``: logits ``[batch, vocab]`` at each row's last valid token;
+        ``logits="all"``: ``[batch, q, vocab]`` (positions past a row's count are garbage).
         Committed lengths are *not* changed: the caller commits what it keeps.
 
-        Small forwards (decode steps, verifies, draft steps) go through the compiled fixed-shape
-        path when one is attached (:mod:`engine.model.compiled`); prefill chunks run eagerly. With
-        ``invariant`` set every forward is the batch-invariant one
-        (:mod:`engine.model.invariant`)."""
-        cache, dev = self.cache, self.device
+        Small forwards (decode steps, verifies, draft steps) go through the fast path when the
+        runner has one (:mod:`engine.model.compiled`); prefill chunks run eagerly.
+        ``invariant``: the batch-invariant forward (:mod:`engine.model.invariant`)."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
+        ids, counts = self._ids(tokens, counts)
+        if invariant:
+            starts = self._starts(slots)
+            return Forward(*batch_invariant.forward(self, ids, slots, starts, counts, logits))
+        h, tapped = self._stack(ids, slots, counts)  # [batch, q, hidden]
+        if logits == "last":
+            B, dev = len(slots), self.device
+            last = to_device([n - 1 for n in counts], torch.long, dev)
+            h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
+        return Forward(self.logits(h), tapped)  # [batch, vocab] or [batch, q, vocab]
+
+    @torch.inference_mode()
+    def hidden(self, tokens: list[list[int]], slots: list[int], invariant: bool = False) -> Hidden:
+        """:meth:`forward` of host token lists, returning the final-normed hidden states
+        ``[batch, q, hidden]`` instead of logits (drafter training reads them)."""
+        ids, counts = self._ids(tokens, None)
+        if invariant:
+            starts = self._starts(slots)
+            return Hidden(*batch_invariant.forward(self, ids, slots, starts, counts, "hidden"))
+        return Hidden(*self._stack(ids, slots, counts))
+
+    def _ids(
+        self, tokens: list[list[int]] | torch.Tensor, counts: list[int] | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Token ids ``[batch, q]`` on the device and each row's count; checks the rows fit."""
         if isinstance(tokens, torch.Tensor):
             assert counts is not None
-            ids, q = tokens, tokens.shape[1]
+            ids = tokens
         else:
             counts = [len(t) for t in tokens]
             q = max(counts)
-            ids = to_device([t + [0] * (q - len(t)) for t in tokens], torch.long, dev)  # [batch, q]
-        B = len(slots)
-        starts = [cache.lengths[s] for s in slots]
-        kv_len = max(s + n for s, n in zip(starts, counts))
-        if kv_len > cache.max_len:
-            raise ValueError("forward past the cache's max_len")
-        if self.invariant:  # deterministic mode: the batch-invariant forward
-            return invariant.forward(self, ids, slots, starts, counts, logits)
-        h = None
-        if self.fast is not None:
-            try:  # None when the shape is outside the buckets
-                h = self.fast.run(ids, slots, starts, counts)  # [batch, q, hidden], normed
-            except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
-                disable(self, e)  # the eager forward below rewrites every position it wrote
-        if h is None:
-            h = self._eager(ids, slots, starts, counts, kv_len)
-        if logits == "hidden":  # the final-normed hidden states (drafter training)
-            return h  # [batch, q, hidden]
-        if logits == "last":
-            last = to_device([n - 1 for n in counts], torch.long, dev)
-            h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
-        return self.logits(h)  # [batch, vocab] or [batch, q, vocab]
+            ids = to_device([t + [0] * (q - len(t)) for t in tokens], torch.long, self.device)
+        return ids, counts
 
-    def _eager(
-        self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int], kv_len: int
-    ) -> torch.Tensor:
+    def _starts(self, slots: list[int]) -> list[int]:
+        return [self.cache.lengths[s] for s in slots]
+
+    def _stack(
+        self, ids: torch.Tensor, slots: list[int], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack, through the fast path when it takes the shape: final-normed hidden
+        states ``[batch, q, hidden]`` and the tapped inputs."""
+        starts = self._starts(slots)
+        kv_len = max(s + n for s, n in zip(starts, counts))
+        if kv_len > self.cache.max_len:
+            raise ValueError("forward past the cache's max_len")
+        if self._fast is not None and not self._eager_only:
+            try:  # None when the shape is outside the buckets
+                out = self._fast.run(ids, slots, starts, counts)
+                if out is not None:
+                    return out
+            except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
+                self._drop_fast(e)  # the eager forward below rewrites every position it wrote
         with varying_shape_attention(self.device):  # shapes vary: no per-shape cuDNN plans
             return self._eager_rows(ids, slots, starts, counts, kv_len)
 
     def _eager_rows(
         self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int], kv_len: int
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager stack over rows in ``slots``. Keys are read as a view of consecutive slots:
         rows that are not consecutive run inside the span of slots they cover, each slot of the
         span a row, the slots outside the batch as idle rows (one token at position 0, K/V
@@ -187,7 +277,7 @@ class ModelRunner:
         for r, st, n in zip(rows, starts, counts):
             span_starts[r], span_counts[r] = st, n
         pos, write_pos = cache.positions(span_starts, span_counts, ids.shape[1])
-        h = self.layers_forward(
+        h, tapped = self.layers_forward(
             span_ids,
             to_device(pos, None, dev),
             to_device(write_pos, None, dev),
@@ -196,9 +286,7 @@ class ModelRunner:
             first,
         )  # [span, q, hidden]
         pick = to_device(rows, torch.long, dev)
-        if self.tapped is not None:
-            self.tapped = self.tapped[pick]
-        return h[pick]  # [batch, q, hidden]
+        return h[pick], (tapped[pick] if tapped is not None else None)  # [batch, q, ...]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., hidden]``."""
@@ -212,9 +300,9 @@ class ModelRunner:
     def padded_shape(self, batch: int, q: int) -> tuple[int, int]:
         """The (rows, query tokens) that a forward of ``batch`` rows of ``q`` tokens really runs:
         the fast path's buckets when it handles the shape (rows counted as if the batch held the
-        lowest slots), else the shape as given. The round cost model (k_control.py) prices
+        lowest slots), else the shape as given. The round cost model (engine/kcontrol) prices
         rounds by it: a verify costs what its padded shape costs."""
-        padded = self.fast.bucket_shape(batch, q) if self.fast is not None else None
+        padded = self._fast.bucket_shape(batch, q) if self._fast is not None else None
         return padded or (batch, q)
 
     def layers_forward(
@@ -227,7 +315,7 @@ class ModelRunner:
         first_slot: int | None,
         group_fn: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
         group_size: int | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over the slot cache.
 
         ids, pos, write_pos ``[batch, q]``; slot_t ``[batch]``; kv_idx ``arange(kv_len)``: keys
@@ -235,8 +323,9 @@ class ModelRunner:
         are read as a view), or None (keys gathered by slot_t). ``group_fn``: the compiled
         :func:`~engine.model.layer.layer_group` over groups of ``group_size`` layers
         (engine/model/compiled.py); default: the whole stack as one eager group. Returns the
-        final-normed hidden states ``[batch, q, hidden]``; K/V of every query token written in
-        place; the inputs of the layers in ``taps`` kept in ``tapped``."""
+        final-normed hidden states ``[batch, q, hidden]`` and the inputs of the layers in
+        ``taps`` ``[batch, q, len(taps) * hidden]`` (None without taps); K/V of every query token
+        written in place."""
         cache, tapped = self.cache, []
         h = self.embed(ids)  # [batch, q, hidden]
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
@@ -251,21 +340,10 @@ class ModelRunner:
         n = len(self.weights)
         size = group_size or n
         run = layer_group if group_fn is None else group_fn
+        at = LayerInputs(cos, sin, mask, slot_t, write_pos, first_slot, self.shape)
         for g0 in range(0, n, size):
             g = slice(g0, g0 + size)
-            h, inputs = run(
-                h,
-                tuple(self.weights[g]),
-                cos,
-                sin,
-                mask,
-                tuple(cache.k[g]),
-                tuple(cache.v[g]),
-                slot_t,
-                write_pos,
-                first_slot,
-                self.shape,
-            )
+            ws, kcs, vcs = tuple(self.weights[g]), tuple(cache.k[g]), tuple(cache.v[g])
+            h, inputs = run(h, ws, kcs, vcs, at)
             tapped += [inputs[i - g0] for i in self.taps if g0 <= i < g0 + size]
-        self.tapped = torch.cat(tapped, dim=-1) if tapped else None  # [batch, q, taps * hidden]
-        return self.norm(h)
+        return self.norm(h), (torch.cat(tapped, dim=-1) if tapped else None)

@@ -49,6 +49,14 @@ class LayerWeights(NamedTuple):
     k_norm: torch.Tensor | None  # [head_dim]
 
 
+class ModelWeights(NamedTuple):
+    """What a :class:`~engine.model.runner.ModelRunner` computes with: every decoder layer's
+    weights and the LM head when it is not the model's dense one."""
+
+    layers: list[LayerWeights]
+    head: Q4Weight | None  # the LM head as a 4-bit Q4Weight over [h, h]; None: the dense head
+
+
 # fused field -> the separate fields it replaces, in the order of its output columns
 FUSED: dict[str, tuple[str, ...]] = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 # projection field -> its bias field (projections absent here have no bias)
@@ -88,6 +96,14 @@ def from_layer(layer) -> LayerWeights:
         q_norm=qn.weight if qn is not None else None,
         k_norm=kn.weight if kn is not None else None,
     )
+
+
+def dense_weights(model) -> ModelWeights:
+    """The dense weights of every decoder layer of a transformers model. On CUDA, Q/K/V and
+    gate/up as one matrix each (:func:`fuse_dense`): fewer, larger matmuls a layer."""
+    fuse = next(model.parameters()).device.type == "cuda"
+    layers = [fuse_dense(layer) if fuse else from_layer(layer) for layer in model.model.layers]
+    return ModelWeights(layers, None)
 
 
 def fuse_dense(layer) -> LayerWeights:

@@ -59,7 +59,7 @@ def run_chunks(
     chunks: list[PrefillChunk],
     cap: int,
     solo: bool,
-    invariant: Callable[[list[Sequence]], None],
+    invariant: Callable[[list[Sequence]], bool],
 ) -> dict[int, torch.Tensor]:
     """Feed every chunk to the target (and its features to the drafter), a group a forward;
     a scored chunk's prompt logprobs are added to its sequence. Returns each chunk's last logits
@@ -70,15 +70,17 @@ def run_chunks(
     for group in prefill_groups(chunks, cap, alone):
         seqs = [c.seq for c in group]
         scores = seqs[0].params.prompt_logprobs is not None  # then a group of one
-        invariant(seqs)  # the deterministic mode's forward, if a row asks for it
-        logits = target.forward(
-            [c.tokens for c in group], [s.slot for s in seqs], logits="all" if scores else "last"
+        logits, tapped = target.forward(
+            [c.tokens for c in group],
+            [s.slot for s in seqs],
+            logits="all" if scores else "last",
+            invariant=invariant(seqs),  # the deterministic mode's forward, if a row asks for it
         )  # [rows, vocab], or [1, chunk, vocab] when the prompt is scored
         if scores:
             add_prompt_logprobs(seqs[0], group[0].start, logits[0])
             logits = logits[:, -1]
         if guard is not None:  # the drafter's features of these positions (EAGLE-3)
             starts, counts = [c.start for c in group], [len(c.tokens) for c in group]
-            guard.observe(seqs, target.tapped, starts, counts)
+            guard.observe(seqs, tapped, starts, counts)
         last |= {id(c): logits[i : i + 1] for i, c in enumerate(group)}
     return last

@@ -57,14 +57,16 @@ class Speculator:
         scheduler: Scheduler,
         k_max: int,
         rng: torch.Generator,
+        accept: AcceptRule = rejection_sample,
     ):
         self.target, self.drafter, self.controller = target, drafter, controller
         self.scheduler, self.k_max, self.rng = scheduler, k_max, rng
         self.device, self.vocab_size = target.device, target.vocab_size
-        # the acceptance rule; only a benchmark swaps it (synthetic acceptance, not lossless)
-        self.accept: AcceptRule = rejection_sample
+        self.accept = accept  # the acceptance rule: the exact one unless a benchmark's
 
-    def round(self, seqs: list[Sequence]) -> list[StepOutput]:
+    def round(self, seqs: list[Sequence], invariant: bool = False) -> list[StepOutput]:
+        """One speculative round over the running rows ``seqs`` (``invariant``: the target's
+        verify is the batch-invariant forward of deterministic mode)."""
         t_start = time.perf_counter()
         # 1. plan: a row the grammar forces drafts its forced run (forced.py), the others ask
         # the controller for K; K_i of the plan is the run's length or the K asked
@@ -91,10 +93,11 @@ class Speculator:
         # 3. verify: one target pass over [last token, d_1..d_K] per row
         verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
         counts = [n + 1 for n in num_draft]
-        logits = self.target.forward(verify_ids, [s.slot for s in seqs], counts, logits="all")
+        slots = [s.slot for s in seqs]
+        logits, tapped = self.target.forward(verify_ids, slots, counts, "all", invariant)
         if self.drafter is not None:  # the target's features of these positions (EAGLE-3)
             starts = [s.num_tokens - 1 for s in seqs]
-            self.drafter.observe(seqs, self.target.tapped, starts, counts)
+            self.drafter.observe(seqs, tapped, starts, counts)
         logits = self._process(logits, seqs, drafts, num_draft)  # [batch, K+1, vocab]
         top_n = self._top_n(seqs)
         probs = self._probs(logits, plan, top_n)  # [batch, K+1, vocab]

@@ -66,9 +66,8 @@ def standalone(shapes, calls: int) -> None:
 def in_graph(config: str, shapes, reps: int) -> None:
     from engine.config import CompileConfig, EngineConfig
     from engine.model import layer
-    from engine.model.fast_path import make_fast
     from engine.model.loader import load_model
-    from engine.model.quant import use_native_q4
+    from engine.model.quant import native_q4
     from engine.model.runner import ModelRunner
     from loadtest.bench.steps import time_forward
 
@@ -85,15 +84,15 @@ def in_graph(config: str, shapes, reps: int) -> None:
         layers_per_graph=cfg.compile.layers_per_graph,
     )
 
+    weights = native_q4(cfg.model.source, model) if cfg.model.native_q4 else None
+
     def runner() -> ModelRunner:  # traced with whatever layer.grouped_sdpa is now
-        r = ModelRunner(model, slots, 1024)
-        if cfg.model.native_q4:
-            use_native_q4(cfg.model.source, r)
+        k_max = max(q for _, q in shapes) - 1
+        r = ModelRunner(model, slots, 1024, weights=weights, compile=ccfg, k_max=k_max)
         for s in range(slots):
             r.forward(ctx, [s], counts=[ctx_len])
             r.cache.commit(s, ctx_len)
-        r.fast = make_fast(r, ccfg, max(q for _, q in shapes) - 1)
-        r.fast.warm_up()
+        r.warm_up()
         return r
 
     runners = {"sdpa": runner()}
@@ -106,7 +105,7 @@ def in_graph(config: str, shapes, reps: int) -> None:
             layer.grouped_sdpa = kept
     ids = ctx[:, -8:]  # the context's own last tokens again: a verify of 8 real tokens
     with torch.inference_mode():
-        a, b = (runners[n].forward(ids, [0], counts=[8], logits="all") for n in ("sdpa", "ours"))
+        a, b = (runners[n].forward(ids, [0], [8], "all").logits for n in ("sdpa", "ours"))
     same = f"{int((a.argmax(-1) == b.argmax(-1)).sum())} of 8"
     times: dict[str, dict] = {n: {s: [] for s in shapes} for n in runners}
     for i in range(4):

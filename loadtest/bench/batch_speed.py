@@ -22,7 +22,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, mixed
+from prompts.sets import encode, mixed
 
 
 def run(engine, prompts: list[list[int]], spec: SpecParams, max_tokens: int, tag: str) -> dict:

@@ -26,7 +26,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, human_eval, mt_bench
+from prompts.sets import encode, human_eval, mt_bench
 
 MODES = ("default", "deterministic")
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="the fixed K of speculative runs")
-    ap.add_argument("--out", default="loadtest/results/bench_deterministic.txt")
+    ap.add_argument("--out", default="loadtest/results/deterministic.txt")
     args = ap.parse_args(argv)
     cfg = EngineConfig.from_yaml(args.config)
     cfg.deterministic = "request"

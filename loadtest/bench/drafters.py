@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--requests", type=int, help="requests per level (default: the 24 items)")
-    ap.add_argument("--out", default="loadtest/results/bench_drafters")
+    ap.add_argument("--out", default="loadtest/results/drafters")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: measured too")
     ap.add_argument("--llama-eagle3", help="the head as GGUF: llama-server drafts with it too")
     args = ap.parse_args(argv)

@@ -30,7 +30,7 @@ from engine.drafters.eagle.drafter import EagleDrafter
 from engine.kcontrol.timing import time_call
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import Prompt, encode, human_eval, mt_bench
+from prompts.sets import Prompt, encode, human_eval, mt_bench
 
 
 def prompt_sets(per_category: int, humaneval: int, sharegpt: int) -> list[Prompt]:

@@ -27,7 +27,7 @@ from engine.kcontrol.timing import time_call
 from engine.model.loader import load_model
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, mixed
+from prompts.sets import encode, mixed
 
 DRAFTERS = {
     "ngram": {"method": "ngram"},

@@ -13,6 +13,7 @@ plumbing: ``--device cpu --dtype float32 --target tiny --draft tiny --max-tokens
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -27,14 +28,12 @@ from engine.drafters.eagle.drafter import EagleDrafter
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import FixedK
 from engine.kcontrol.timing import time_call, time_calls
-from engine.model.fast_path import attach, warm_up
 from engine.model.runner import ModelRunner
 from engine.requests.sequence import SpecParams
-from engine.round.rejection import rejection_sample
 from engine.round.sampling import SamplingParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.steps import random_model, time_forward
-from loadtest.bench.synthetic import bound, synthetic_accept
+from loadtest.bench.synthetic import SyntheticAccept, bound
 
 K_MAX = 4
 med = statistics.median
@@ -90,25 +89,37 @@ class Bench:
         self.bound_tps = bw * 1e9 / wbytes if bw else None
         batches = [int(b) for b in a.batches.split(",")]
         max_len = max(a.prompt_tokens + a.max_tokens, a.context) + K_MAX + 32
-        self.target = ModelRunner(self.tmodel, max(batches), max_len)
-        draft = ModelRunner(dmodel, max(batches), max_len, name="draft")
+        self.batches = batches
+        self.target = ModelRunner(
+            self.tmodel, max(batches), max_len, compile=self.fast("target"), k_max=K_MAX
+        )
+        draft = ModelRunner(
+            dmodel, max(batches), max_len, name="draft", compile=self.fast("draft"), k_max=K_MAX
+        )
         self.vocab = min(self.target.vocab_size, draft.vocab_size)
         self.drafter = ModelDrafter(draft, self.vocab)
-        self.engine = SpecEngine(self.target, self.drafter, [], controller=FixedK(0), k_max=K_MAX)
+        self.accept = SyntheticAccept(self.gen)  # alpha set per run (generate)
+        self.engine = SpecEngine(
+            self.target, self.drafter, [], controller=FixedK(0), k_max=K_MAX, accept=self.accept
+        )
         out = dict(build_s=build_s, weight_bytes=wbytes, bound_tok_s=self.bound_tps)
         self.r["s1"] = out | dict(max_len=max_len, compile=a.compile)
-        self.compile(self.engine, batches, self.r["s1"])
+        self.warm_up(self.engine, self.r["s1"])
         self.r["s1"]["graphs_after_warm_up"] = parts.graph_counts(self.engine.runners())
         self.log(f"models and engine: {parts.short(self.r['s1'])}")
 
-    def compile(self, eng: SpecEngine, batches: list[int], out: dict) -> None:
-        """The fast path (--compile mode) on every runner of ``eng``, warmed up (timed)."""
+    def fast(self, name: str):
+        """The fast path (--compile mode) of the runner named ``name``, or None (eager)."""
         if self.a.compile == "none":
-            return
+            return None
+        return parts.compile_config(self.a, self.batches, K_MAX, name)
+
+    def warm_up(self, eng: SpecEngine, out: dict) -> None:
+        """Every runner of ``eng`` with a fast path warmed up (timed)."""
         for r in eng.runners():
-            attach(r, parts.compile_config(self.a, batches, K_MAX, r.name), K_MAX)
-            out[f"warm_up_s_{r.name}"] = time_call(lambda r=r: warm_up(r), self.dev)
-            out[f"fast_path_{r.name}"] = r.fast is not None  # False: it fell back to eager
+            if r.fast is not None:
+                out[f"warm_up_s_{r.name}"] = time_call(r.warm_up, self.dev)
+                out[f"fast_path_{r.name}"] = r.fast is not None  # False: it fell back to eager
 
     def s2(self) -> None:
         a, rows = self.a, []
@@ -132,7 +143,7 @@ class Bench:
     def generate(self, eng: SpecEngine, spec: SpecParams, alpha: float | None, seed: int):
         """tok/s of one engine.generate at batch 1 (synthetic acceptance ``alpha``, or the real
         rule), and its tokens per target pass."""
-        eng.accept = synthetic_accept(alpha, self.gen) if alpha else rejection_sample
+        self.accept.alpha = alpha or None  # alpha 0 / None: the exact rule
         seqs, p = [], self.prompt(seed)
         dt = time_call(lambda: seqs.extend(eng.generate([p], self.params, spec)), eng.device)
         n = sum(len(s.output_ids) for s in seqs)
@@ -146,15 +157,11 @@ class Bench:
         # the graphs replay the eager path's kernels: greedy output must be the eager one's
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=48)
         prompts = [self.prompt(7 + i) for i in range(3)]
-        fast = [r.fast for r in self.engine.runners()]
         out = [s.output_ids for s in self.engine.generate(prompts, params, SpecParams(k=3))]
-        for r in self.engine.runners():
-            r.fast = None
-        try:
+        with contextlib.ExitStack() as eager:
+            for r in self.engine.runners():
+                eager.enter_context(r.eager())
             ref = [s.output_ids for s in self.engine.generate(prompts, params, PLAIN)]
-        finally:
-            for r, f in zip(self.engine.runners(), fast):
-                r.fast = f
         self.r["s3"]["greedy_spec_graphs_equals_plain_eager"] = out == ref
         self.log(f"engine plain decode, batch 1: {parts.short(self.r['s3'])}")
 
@@ -180,7 +187,7 @@ class Bench:
                 row["drafter_failures"] = eng.drafter_failures  # > 0: rounds fell back to plain
                 rows.append(row)
                 self.log(f"synthetic acceptance: {parts.short(row)}")
-        eng.accept = rejection_sample
+        self.accept.alpha = None  # the exact rule again
         return rows
 
     def s4(self) -> None:
@@ -192,13 +199,22 @@ class Bench:
         self.save()
         if not self.a.eagle:
             return
-        # its own target runner (one slot), tapped before its fast path captures anything
+        # its own target runner (one slot), tapping the head's layers
         dev, k = self.dev, self.r["s4"]
-        t = ModelRunner(self.tmodel, 1, self.target.max_len, name="target_eagle")
         head = parts.random_head(self.tmodel, self.dtype, dev)
+        self.batches = [1]
+        t = ModelRunner(
+            self.tmodel,
+            1,
+            self.target.max_len,
+            name="target_eagle",
+            taps=tuple(head.config.aux_layers),
+            compile=self.fast("target_eagle"),
+            k_max=K_MAX,
+        )
         d = EagleDrafter(head, self.tmodel.model.embed_tokens, 1, t.max_len, t.vocab_size)
-        eng = SpecEngine(t, d, [], controller=FixedK(0), k_max=K_MAX)  # sets t.taps
-        self.compile(eng, [1], k)
+        eng = SpecEngine(t, d, [], controller=FixedK(0), k_max=K_MAX, accept=self.accept)
+        self.warm_up(eng, k)
         # c: one chained head step / one target decode step, batch 1, `context` tokens cached
         ctx = min(self.a.context, t.max_len - K_MAX - 2)
         for cache in (t.cache, d.cache):

@@ -15,7 +15,7 @@ from engine.engine import SpecEngine
 from engine.kcontrol.timing import time_calls
 from engine.model.compiled import CompileConfig
 from loadtest.bench.steps import SHAPES, in_dtype
-from loadtest.bench.synthetic import synthetic_accept
+from loadtest.bench.synthetic import SyntheticAccept
 
 SGLANG = (
     "SGLang published (Llama-3.1-8B, H100, batch 1): 158 tok/s plain, 373 tok/s EAGLE-3 "
@@ -162,6 +162,5 @@ def adaptive_engine(bench, alpha: float, k_max: int) -> SpecEngine:
     synthetic acceptance ``alpha`` (speed only: not the exact rule). Its controller calibrates
     at the engine's first step."""
     ctl = make_controller(DrafterConfig(controller="adaptive", k_max=k_max), bench.drafter)
-    eng = SpecEngine(bench.target, bench.drafter, [], controller=ctl, k_max=k_max)
-    eng.accept = synthetic_accept(alpha, bench.gen)
-    return eng
+    accept = SyntheticAccept(bench.gen, alpha)
+    return SpecEngine(bench.target, bench.drafter, [], controller=ctl, k_max=k_max, accept=accept)

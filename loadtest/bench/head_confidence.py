@@ -36,7 +36,7 @@ from engine.drafters.eagle.drafter import EagleDrafter
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
 from loadtest.bench.k_modes import orders
-from loadtest.datasets import encode, mixed
+from prompts.sets import encode, mixed
 
 BINS = (0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
 

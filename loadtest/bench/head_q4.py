@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model, _ = load_model(DEFAULT_TARGET, "bfloat16")
     rows = read_rows(Path(args.eval), 640, args.rows)
-    runner = ModelRunner(model, num_slots=64, max_len=640)
     head = load_head(args.head, model.config.num_hidden_layers)
-    runner.taps = head.config.aux_layers
+    taps = tuple(head.config.aux_layers)
+    runner = ModelRunner(model, num_slots=64, max_len=640, taps=taps)
     tag = cache_tag(DEFAULT_TARGET, "bfloat16", False, head.config.aux_layers)
     cache = FeatureCache(args.feature_cache or None, tag)
     rotary = LlamaRotaryEmbedding(config=head.config.llama_config())

@@ -23,8 +23,8 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, mixed
 from loadtest.server_proc import specd_server
+from prompts.sets import encode, mixed
 
 
 def in_process(engine, ids: list[int], max_tokens: int, k: int) -> tuple[int, float]:

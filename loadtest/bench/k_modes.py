@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.kcontrol import state as k_state
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, mixed
+from prompts.sets import encode, mixed
 
 
 def orders(modes: list[str], n: int) -> list[list[str]]:

@@ -22,10 +22,9 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.compiled import CompileConfig
-from engine.model.fast_path import make_fast
 from engine.model.loader import load_model
 from engine.model.q4_matmul import kernel_available, only_torch_kernel
-from engine.model.quant import use_native_q4
+from engine.model.quant import native_q4
 from engine.model.runner import ModelRunner
 from loadtest.bench.steps import time_forward
 
@@ -47,24 +46,26 @@ def main(argv=None) -> None:
     cfg = EngineConfig.from_yaml(a.config)
     model, _ = load_model(cfg.model.source, "bfloat16", "cpu", cfg.cache_dir)
     slots = max(b for b, _ in SHAPES)
-    runners = {"specd": ModelRunner(model, slots, a.context + 64)}
-    runners["torch"] = ModelRunner(model, slots, a.context + 64)
-    use_native_q4(cfg.model.source, runners["specd"])
-    with only_torch_kernel():
-        use_native_q4(cfg.model.source, runners["torch"])
     ccfg = CompileConfig(
         enabled=True,
         batch_buckets=sorted({b for b, _ in SHAPES}),
         q_buckets=sorted({q for _, q in SHAPES}),
         layers_per_graph=cfg.compile.layers_per_graph,
     )
+    fast = dict(compile=ccfg, k_max=max(q for _, q in SHAPES) - 1)
+    weights = native_q4(cfg.model.source, model)
+    with only_torch_kernel():
+        torch_weights = native_q4(cfg.model.source, model)
+    runners = {
+        "specd": ModelRunner(model, slots, a.context + 64, weights=weights, **fast),
+        "torch": ModelRunner(model, slots, a.context + 64, weights=torch_weights, **fast),
+    }
     ctx = torch.randint(0, model.config.vocab_size, (slots, a.context))
     for r in runners.values():
         r.forward(ctx, list(range(slots)), counts=[a.context] * slots)
         for s in range(slots):
             r.cache.commit(s, a.context)
-        r.fast = make_fast(r, ccfg, max(q for _, q in SHAPES) - 1)
-        r.fast.warm_up()
+        r.warm_up()
     ms: dict[tuple[str, int, int], float] = {}
     for b, q in SHAPES:
         times: dict[str, list[float]] = {k: [] for k in runners}

@@ -27,7 +27,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model import q4_matmul
 from engine.model.loader import load_model
-from engine.model.quant import use_native_q4
+from engine.model.quant import native_q4
 from engine.model.runner import ModelRunner
 from loadtest.bench.steps import time_forward
 
@@ -64,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, qs = [int(m) for m in args.rows.split(",")], [int(q) for q in args.qs.split(",")]
     cfg = EngineConfig.from_yaml(args.config)
     target, _ = load_model(cfg.model.source, "bfloat16", "cpu", cfg.cache_dir)
-    runner = ModelRunner(target, 1, 400)
-    use_native_q4(cfg.model.source, runner)
+    runner = ModelRunner(target, 1, 400, weights=native_q4(cfg.model.source, target))
     weights = weights_of(runner)
     mb = sum(w.packed.numel() for w in weights) / 1e6
     ctx = torch.randint(0, runner.vocab_size, (1, 256))

@@ -25,7 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model.loader import load_model
 from engine.model.q4_matmul import kernel_available, only_torch_kernel
-from engine.model.quant import use_native_q4
+from engine.model.quant import native_q4
 from engine.model.runner import ModelRunner
 
 
@@ -57,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name, packing in kernels.items():  # the 4-bit weights packed for that kernel
         model, _ = load_model(src, "bfloat16", "cpu", cfg.cache_dir)
-        runners[name] = ModelRunner(model, 1, args.max_len + 8)
         with packing():
-            use_native_q4(src, runners[name])
+            weights = native_q4(src, model)
+        runners[name] = ModelRunner(model, 1, args.max_len + 8, weights=weights)
 
     def logprobs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            out = runner.forward([ids], [0], logits="all")[0]  # [q, vocab]
+            out = runner.forward([ids], [0], logits="all").logits[0]  # [q, vocab]
         return out.float().log_softmax(-1)
 
     names = list(runners)

@@ -37,7 +37,7 @@ from engine.kcontrol.timing import time_call
 from engine.model.loader import load_model
 from engine.requests.sequence import RoundStats, SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, mixed
+from prompts.sets import encode, mixed
 
 LOOKUP_S = 2e-4  # one n-gram lookup
 

@@ -2,9 +2,11 @@
 
 One engine built from ``--config``; ``--prompts`` real prompts (the ``mixed`` set) are generated
 one after another, greedy, ``--max-tokens`` each, with speculation off (``--k 0``) or a fixed K.
-The target's forwards, the drafter's calls, the acceptance rule, the plan, the one sync and the
-controller are timed by wrapping them (wall clock; a CPU run, or CUDA where the phase syncs);
-nested phases overlap (``eagle._run`` is inside ``eagle._ingest``, inside ``drafter.propose``).
+The engine runs as built: first unprofiled (the tok/s and ms a round), then the same prompts
+under ``cProfile``, whose cumulative time per function gives each phase (the target's forwards,
+the drafter's calls, the acceptance rule, the plan, the one sync, the controller). Wall clock of
+a CPU run, or CUDA where the phase syncs; the profiler's own cost inflates the Python-heavy
+phases; nested phases overlap (the head's step is inside its take-in and its proposal).
 
     python -m loadtest.bench.round_phases --config configs/cpu-eagle.yaml --k 1
 """
@@ -12,29 +14,46 @@ nested phases overlap (``eagle._run`` is inside ``eagle._ingest``, inside ``draf
 from __future__ import annotations
 
 import argparse
-import collections
+import cProfile
+import pstats
 import time
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.requests.sequence import SpecParams
-from engine.round import speculator as round_mod
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, mixed
+from prompts.sets import encode, mixed
+
+# phase label -> (file, function): functions whose cumulative time is the phase
+PHASES = {
+    "round": ("engine/round/speculator.py", "round"),
+    "target.forward": ("engine/model/runner.py", "forward"),
+    "round.plan": ("engine/round/speculator.py", "_plan"),
+    "round.process": ("engine/round/speculator.py", "_process"),
+    "round.probs": ("engine/round/speculator.py", "_probs"),
+    "round.accept": ("engine/round/rejection.py", "rejection_sample"),
+    "round.to_host (the sync)": ("engine/round/output.py", "to_host"),
+    "controller.k_for": ("engine/kcontrol/controller.py", "k_for"),
+    "controller.observe": ("engine/kcontrol/controller.py", "observe"),
+    "controller.end_round": ("engine/kcontrol/controller.py", "end_round"),
+    "drafter.propose": ("engine/drafters/guard.py", "propose"),
+    "drafter.observe": ("engine/drafters/guard.py", "observe"),
+    "drafter.commit": ("engine/drafters/guard.py", "commit"),
+    "eagle.ingest": ("engine/drafters/eagle/drafter.py", "_ingest"),
+    "eagle.chain_step": ("engine/drafters/eagle/drafter.py", "chain_step"),
+    "eagle.run": ("engine/drafters/eagle/drafter.py", "_run"),
+}
 
 
-def timer(totals: dict[str, float], obj, name: str, label: str) -> None:
-    """Wrap ``obj.name`` so that its calls add their wall time to ``totals[label]``."""
-    inner = getattr(obj, name)
-
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            totals[label] += time.perf_counter() - t
-
-    setattr(obj, name, timed)
+def phase_seconds(profile: cProfile.Profile) -> dict[str, float]:
+    """Cumulative seconds of each phase's function in ``profile`` (absent: not called)."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    for label, (path, name) in PHASES.items():
+        cum = [v[3] for (f, _, fn), v in stats.items() if fn == name and f.endswith(path)]
+        if cum:
+            out[label] = sum(cum)
+    return out
 
 
 def main(argv=None) -> None:
@@ -52,31 +71,28 @@ def main(argv=None) -> None:
     spec = SpecParams(k=a.k) if a.k > 0 else SpecParams(enabled=False)
     for p in prompts[:2]:  # warm: the controller's calibration, first calls
         engine.generate([p], params, spec)
-    totals: collections.defaultdict[str, float] = collections.defaultdict(float)
-    sp, d = engine.speculator, engine.drafter
-    timer(totals, sp, "round", "round")
-    timer(totals, engine.target, "forward", "target.forward")
-    for m in ("_plan", "_process", "_probs", "accept"):
-        timer(totals, sp, m, f"round.{m.lstrip('_')}")
-    timer(totals, round_mod, "to_host", "round.to_host (the sync)")
-    for m in ("k_for", "observe", "end_round"):
-        timer(totals, sp.controller, m, f"controller.{m}")
-    if d is not None:
-        for m in ("propose", "observe", "commit"):
-            timer(totals, d, m, f"drafter.{m}")
-        for m in ("_ingest", "chain_step", "_run"):
-            if hasattr(d, m):
-                timer(totals, d, m, f"eagle.{m}")
-    t0, tokens, passes = time.perf_counter(), 0, 0
-    for p in prompts[2:]:
-        s = engine.generate([p], params, spec)[0]
-        tokens, passes = tokens + len(s.output_ids), passes + s.target_passes
+
+    def run() -> tuple[int, int]:
+        tokens, passes = 0, 0
+        for p in prompts[2:]:
+            s = engine.generate([p], params, spec)[0]
+            tokens, passes = tokens + len(s.output_ids), passes + s.target_passes
+        return tokens, passes
+
+    t0 = time.perf_counter()
+    tokens, passes = run()
     wall = time.perf_counter() - t0
     ms = wall / passes * 1e3
-    print(f"{a.config}, K = {a.k}: {tokens / wall:.1f} tok/s, {passes} rounds, {ms:.2f} ms a "
-          f"round, {tokens / passes:.2f} tokens a round")  # fmt: skip
-    print("(target.forward counts the prompts' prefill forwards too)")
-    for label, t in sorted(totals.items(), key=lambda x: -x[1]):
+    print(
+        f"{a.config}, K = {a.k}: {tokens / wall:.1f} tok/s, {passes} rounds, {ms:.2f} ms a "
+        f"round, {tokens / passes:.2f} tokens a round"
+    )
+    profile = cProfile.Profile()
+    profile.enable()
+    _, passes = run()
+    profile.disable()
+    print("profiled (target.forward counts the prompts' prefill forwards too):")
+    for label, t in sorted(phase_seconds(profile).items(), key=lambda x: -x[1]):
         print(f"  {label:28s} {t / passes * 1e3:7.3f} ms a round")
 
 

@@ -126,7 +126,7 @@ def main(argv=None):
         help="run the servers this many times, the order reversed every other round "
         "(A B C, C B A, ...); the table shows medians, ratios per round",
     )
-    ap.add_argument("--out", default="loadtest/results/bench_servers")
+    ap.add_argument("--out", default="loadtest/results/servers")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = Path(args.out)

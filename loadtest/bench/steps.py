@@ -22,7 +22,6 @@ import torch
 from engine.config import EngineConfig
 from engine.kcontrol.timing import time_call, time_calls
 from engine.model.compiled import CompileConfig
-from engine.model.fast_path import make_fast
 from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 
@@ -141,23 +140,23 @@ def main(argv=None):
         target = random_model(args.random_config, dtype, device)
     else:
         target, _ = load_model(cfg.model.source, args.dtype, device, cfg.cache_dir)
-    runners = {"target": ModelRunner(target, slots, max_len)}
-    if args.draft_config:
-        runners["draft"] = ModelRunner(
-            random_model(args.draft_config, dtype, device), slots, max_len, name="draft"
-        )
-    elif args.draft_layers:
-        runners[f"draft ({args.draft_layers} layers)"] = ModelRunner(
-            target, slots, max_len, args.draft_layers, name="draft"
-        )
-
+    weights = None
     if args.native_q4:
-        from engine.model.quant import use_native_q4
+        from engine.model.quant import native_q4
 
-        use_native_q4(cfg.model.source, *runners.values())
+        weights = native_q4(cfg.model.source, target)
     ccfg = CompileConfig(
         enabled=True, mode=args.mode, batch_buckets=batches, q_buckets=sorted({1, args.k + 1})
     )
+    fast = dict(compile=ccfg, k_max=args.k)
+    runners = {"target": ModelRunner(target, slots, max_len, weights=weights, **fast)}
+    if args.draft_config:
+        draft = random_model(args.draft_config, dtype, device)
+        runners["draft"] = ModelRunner(draft, slots, max_len, name="draft", **fast)
+    elif args.draft_layers:
+        runners[f"draft ({args.draft_layers} layers)"] = ModelRunner(
+            target, slots, max_len, args.draft_layers, name="draft", weights=weights, **fast
+        )
     rows = []
     for name, runner in runners.items():
         dev = runner.device
@@ -165,18 +164,18 @@ def main(argv=None):
         runner.forward(ctx, list(range(slots)), counts=[args.context] * slots)  # fill the cache
         for s in range(slots):
             runner.cache.commit(s, args.context)
-        fast = make_fast(runner, ccfg, args.k)
-        compile_s = time_call(fast.warm_up, dev)
-        shapes = len(fast.batch_buckets) * len(fast.q_buckets)
+        compile_s = time_call(runner.warm_up, dev)
+        path = runner.fast
+        assert path is not None, "the compile failed (see the log)"
+        shapes = len(path.batch_buckets) * len(path.q_buckets)
         print(f"{name}: compiled {shapes} shapes in {compile_s:.1f} s", flush=True)
         for b in batches:
             for q in (1, args.k + 1):
                 times = {"eager": [], "compiled": []}
                 for _ in range(args.rounds):
-                    for mode in ("eager", "compiled"):
-                        runner.fast = fast if mode == "compiled" else None
-                        times[mode] += time_forward(runner, b, q, args.reps, warmup=2)
-                runner.fast = None
+                    with runner.eager():
+                        times["eager"] += time_forward(runner, b, q, args.reps, warmup=2)
+                    times["compiled"] += time_forward(runner, b, q, args.reps, warmup=2)
                 e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
                 rows.append(
                     {

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--out", default="loadtest/results/bench_structured.txt")
+    ap.add_argument("--out", default="loadtest/results/structured.txt")
     args = ap.parse_args(argv)
     built = build_engine(EngineConfig.from_yaml(args.config))
     engine, tok = built.engine, built.tokenizer

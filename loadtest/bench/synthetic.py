@@ -38,7 +38,6 @@ from engine.engine import SpecEngine
 from engine.kcontrol.controller import FixedK
 from engine.kcontrol.timing import time_call
 from engine.model.compiled import CompileConfig
-from engine.model.fast_path import attach, warm_up
 from engine.model.runner import ModelRunner
 from engine.requests.sequence import SpecParams
 from engine.round.rejection import rejection_sample
@@ -46,21 +45,27 @@ from engine.round.sampling import SamplingParams
 from loadtest.bench.steps import SHAPES, random_model, time_forward
 
 
-def synthetic_accept(alpha: float, gen: torch.Generator):
-    """An acceptance rule with the signature of :func:`engine.round.rejection.rejection_sample` that
-    accepts each drafted token with probability ``alpha``; the next token is the target's argmax
-    at the first rejected position (or the bonus position)."""
+class SyntheticAccept:
+    """An acceptance rule with the signature of :func:`engine.round.rejection.rejection_sample`
+    that accepts each drafted token with probability ``alpha``; the next token is the target's
+    argmax at the first rejected position (or the bonus position). ``alpha`` None: the exact rule.
+    A benchmark builds its engine with one (``SpecEngine(accept=...)``) and sets ``alpha`` between
+    runs; such an engine is not lossless, and the worker refuses to serve it."""
 
-    def accept(target_probs, draft_tokens, num_draft, draft_probs, greedy, uniforms, noise):
+    def __init__(self, gen: torch.Generator, alpha: float | None = None):
+        self.gen, self.alpha = gen, alpha
+
+    def __call__(self, target_probs, draft_tokens, num_draft, draft_probs, greedy, uniforms, noise):
+        if self.alpha is None:
+            args = (draft_probs, greedy, uniforms, noise)
+            return rejection_sample(target_probs, draft_tokens, num_draft, *args)
         batch, k = draft_tokens.shape
-        dev = target_probs.device
-        ok = torch.rand(batch, k, generator=gen, device=gen.device).to(dev) < alpha  # [batch, K]
-        ok &= torch.arange(k, device=dev)[None, :] < num_draft[:, None]
+        dev, gen = target_probs.device, self.gen
+        ok = torch.rand(batch, k, generator=gen, device=gen.device).to(dev) < self.alpha
+        ok &= torch.arange(k, device=dev)[None, :] < num_draft[:, None]  # [batch, K]
         num_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [batch] leading accepted drafts
         rows = torch.arange(batch, device=dev)
         return num_acc, target_probs[rows, num_acc].argmax(dim=-1)  # [batch], [batch]
-
-    return accept
 
 
 def bound(alpha: float, k: int, c: float) -> float:
@@ -103,24 +108,7 @@ def main(argv=None):
     ks = [int(k) for k in args.ks.split(",")]
     B, max_len = args.batch, args.prompt_tokens + args.max_tokens + max(ks) + 16
 
-    target_model = random_model(args.random_config, dtype, args.device)
-    target = ModelRunner(target_model, B, max_len)
-    if args.draft_config:
-        draft_runner = ModelRunner(
-            random_model(args.draft_config, dtype, args.device), B, max_len, name="draft"
-        )
-        draft_desc = f"{args.draft_config} (random weights)"
-    else:
-        draft_runner = ModelRunner(target_model, B, max_len, args.draft_layers, name="draft")
-        draft_desc = f"the target's first {args.draft_layers} layers"
-    vocab = min(target.vocab_size, draft_runner.vocab_size)
-    engine = SpecEngine(
-        target,
-        ModelDrafter(draft_runner, vocab),
-        eos_token_ids=[],
-        controller=FixedK(0),
-        k_max=max(ks),
-    )
+    ccfg = None
     if args.compile != "none":
         ccfg = CompileConfig(
             enabled=True,
@@ -128,9 +116,30 @@ def main(argv=None):
             batch_buckets=[B],
             q_buckets=sorted({1, 2} | {k + 1 for k in ks}),
         )
-        for r in engine.runners():
-            attach(r, ccfg, max(ks))
-            warm_up(r)
+    fast = dict(compile=ccfg, k_max=max(ks))
+    target_model = random_model(args.random_config, dtype, args.device)
+    target = ModelRunner(target_model, B, max_len, **fast)
+    if args.draft_config:
+        draft_model = random_model(args.draft_config, dtype, args.device)
+        draft_runner = ModelRunner(draft_model, B, max_len, name="draft", **fast)
+        draft_desc = f"{args.draft_config} (random weights)"
+    else:
+        draft_runner = ModelRunner(
+            target_model, B, max_len, args.draft_layers, name="draft", **fast
+        )
+        draft_desc = f"the target's first {args.draft_layers} layers"
+    vocab = min(target.vocab_size, draft_runner.vocab_size)
+    accept = SyntheticAccept(torch.Generator(device=dev).manual_seed(2))  # alpha set per run
+    engine = SpecEngine(
+        target,
+        ModelDrafter(draft_runner, vocab),
+        eos_token_ids=[],
+        controller=FixedK(0),
+        k_max=max(ks),
+        accept=accept,
+    )
+    for r in engine.runners():
+        r.warm_up()
 
     # c: a draft step in target decode steps, on a filled cache
     for r in engine.runners():
@@ -152,11 +161,10 @@ def main(argv=None):
         torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist() for _ in range(B)
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    gen = torch.Generator(device=dev).manual_seed(2)
 
     def run(spec: SpecParams, alpha: float | None) -> tuple[float, float]:
         """tok/s over the whole generate (prefill included: short prompts) and tokens per pass."""
-        engine.accept = synthetic_accept(alpha, gen) if alpha is not None else rejection_sample
+        accept.alpha = alpha
         seqs = []
         dt = time_call(lambda: seqs.extend(engine.generate(prompts, params, spec)), dev)
         tokens = sum(len(s.output_ids) for s in seqs)

@@ -28,7 +28,7 @@ from engine.drafters import NgramDrafter
 from engine.model.q4_matmul import Q4Weight
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import Prompt, encode
+from prompts.sets import Prompt, encode
 from tests.helpers import assert_speculated
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -51,7 +51,7 @@ def assert_same_up_to_rounding(engine, prompt, got: list[int], plain: list[int])
     runner = engine.target
     slot = runner.cache.allocate()
     try:  # one eager forward over the prompt and ``got``: the logits before each output token
-        logits = runner.forward([prompt + got], [slot], logits="all")[0].float()
+        logits = runner.forward([prompt + got], [slot], logits="all").logits[0].float()
     finally:
         runner.cache.free(slot)
     at = logits[len(prompt) - 1 : len(prompt) - 1 + len(got)]  # [len(got), vocab]

@@ -142,10 +142,15 @@ def sample(models, drafter, temperature, top_k, top_p, n=N, accept=None, wrong=N
     """``n`` seeded requests of PROMPT through a fresh engine at K; returns (engine, sequences).
     ``accept``: a wrong acceptance rule; ``wrong``: a function (engine) that breaks the engine."""
     engine = engine_for(
-        models, drafter, slots=SLOTS, chunk=10**6, max_len=16, max_prefill=SLOTS, **kw
+        models,
+        drafter,
+        slots=SLOTS,
+        chunk=10**6,
+        max_len=16,
+        max_prefill=SLOTS,
+        accept=accept,
+        **kw,
     )
-    if accept is not None:
-        engine.accept = accept
     if wrong is not None:
         wrong(engine)
     params = [
@@ -291,13 +296,12 @@ def test_compiled_path_matches_target_distribution(models, joint, mode):
     the target's verifies and the draft model's steps, at T > 0 with top-k and top-p on: the same
     test."""
     from engine.model.compiled import CompileConfig
-    from engine.model.fast_path import attach
 
-    engine = engine_for(models, "model", slots=256, chunk=10**6, max_len=128, max_prefill=256)
     # rows are slots (one batch bucket); the key length, padded to 16, is dynamic in the graph
     cfg = CompileConfig(enabled=True, mode=mode, batch_buckets=[256], q_buckets=[1, 8], kv_align=16)
-    for r in engine.runners():
-        attach(r, cfg, K)
+    engine = engine_for(
+        models, "model", slots=256, chunk=10**6, max_len=128, max_prefill=256, compile=cfg
+    )
     engine.warm_up()
     assert all(r.fast is not None for r in engine.runners()), "the compile fell back to eager"
     before = [r.fast.calls for r in engine.runners()]
@@ -406,7 +410,6 @@ def test_greedy_speculation_is_exact_and_the_check_sees_accept_all(
     seqs = e.generate(greedy_prompts, GREEDY, SpecParams(k=K))
     assert [s.output_ids for s in seqs] == greedy_plain
     assert_speculated(seqs)
-    wrong = engine_for(models, drafter, slots=64, max_len=64)
-    wrong.accept = accept_all
+    wrong = engine_for(models, drafter, slots=64, max_len=64, accept=accept_all)
     seqs = wrong.generate(greedy_prompts, GREEDY, SpecParams(k=K))
     assert [s.output_ids for s in seqs] != greedy_plain

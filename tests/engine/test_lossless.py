@@ -8,7 +8,7 @@ import torch
 
 from engine.requests.sequence import SpecParams, Status
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, human_eval, mt_bench
+from prompts.sets import encode, human_eval, mt_bench
 from tests import helpers
 
 pytestmark = pytest.mark.real_model
@@ -166,16 +166,16 @@ def test_kv_caches_equal_fresh_prefill_after_every_round(real_fp32, prompts):
             toks = s.tokens
             # target: cache holds toks[:-1]; feeding the last token must give fresh-prefill logits
             assert engine.target.cache.lengths[s.slot] == len(toks) - 1
-            got = engine.target.forward([toks[-1:]], [s.slot])[0]
+            got = engine.target.forward([toks[-1:]], [s.slot]).logits[0]
             fresh.cache.rollback(slot, 0)
-            want = fresh.forward([toks], [slot])[0]
+            want = fresh.forward([toks], [slot]).logits[0]
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
             # draft: its committed prefix, continued with the rest, equals a fresh draft prefill
             n = draft.cache.lengths[s.slot]
             assert n <= len(toks) - 1
-            got = draft.forward([toks[n:]], [s.slot])[0]
+            got = draft.forward([toks[n:]], [s.slot]).logits[0]
             draft.cache.allocate(7)
-            want = draft.forward([toks], [7])[0]
+            want = draft.forward([toks], [7]).logits[0]
             draft.cache.free(7)
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
             checked += 1

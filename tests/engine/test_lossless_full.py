@@ -13,7 +13,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
-from loadtest.datasets import encode, human_eval, mt_bench
+from prompts.sets import encode, human_eval, mt_bench
 from tests.helpers import greedy_reference
 
 pytestmark = [pytest.mark.full, pytest.mark.real_model]

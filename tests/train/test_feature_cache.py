@@ -12,8 +12,7 @@ from train.feature_cache import FeatureCache, cache_tag, rows_key
 def _setup():
     target = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN)
     head = random_head(4)
-    runner = ModelRunner(target, num_slots=2, max_len=64)
-    runner.taps = head.config.aux_layers
+    runner = ModelRunner(target, num_slots=2, max_len=64, taps=tuple(head.config.aux_layers))
     rows = [Row([1, 5, 7, 2, 9, 11, 3, 3, 8], 3), Row([4, 6, 10, 12, 1, 2], 2)]
     return runner, head, rows
 

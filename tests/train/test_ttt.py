@@ -17,10 +17,8 @@ def test_ttt_steps_equal_the_inference_chain():
     target = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN)
     head = random_head(4)
     ids = [1, 5, 7, 2, 9, 11, 3, 3, 8, 4, 6, 10, 12, 1, 2]
-    runner = ModelRunner(target, num_slots=1, max_len=64)
-    runner.taps = head.config.aux_layers
-    runner.forward([ids], [0])
-    feats = runner.tapped  # [1, S, 3 hidden]
+    runner = ModelRunner(target, num_slots=1, max_len=64, taps=tuple(head.config.aux_layers))
+    feats = runner.forward([ids], [0]).tapped  # [1, S, 3 hidden]
     steps = 3
     d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB)
     rotary = LlamaRotaryEmbedding(config=head.config.llama_config())

@@ -35,9 +35,10 @@ from collections.abc import Callable
 import torch
 
 from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.chain import Position, RowParams, draft_chain
 from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.head import Eagle3Head
-from engine.drafters.eagle.step import HeadGraphs, HeadWeights, head_forward
+from engine.drafters.eagle.step import HeadGraphs, HeadStep, HeadWeights, head_forward
 from engine.fallback import warn_fallback
 from engine.model.kv_cache import SlotKVCache
 from engine.model.layer import LayerShape
@@ -66,7 +67,7 @@ class EagleDrafter(DrafterBase):
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.taps = c.aux_layers
+        self.taps = tuple(c.aux_layers)
         self.cache = SlotKVCache(
             1, num_slots, c.num_key_value_heads, c.dim, max_len, p.dtype, p.device
         )
@@ -193,58 +194,42 @@ class EagleDrafter(DrafterBase):
         ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1)."""
         dev, c = self.device, self.cache
         kv_len = min(-(-max(kv_len, 2) // KV_ALIGN) * KV_ALIGN, c.max_len + 1)
-        args = (ids, x, to_device(last, torch.long, dev), self.weights, pos, write_pos)
-        rest = (self.kv_idx[:kv_len], c.k[0], c.v[0], to_device(slots, torch.long, dev))
+        last_t, slot_t = to_device(last, torch.long, dev), to_device(slots, torch.long, dev)
+        step = HeadStep(ids, x, last_t, pos, write_pos, self.kv_idx[:kv_len], slot_t, ingest)
         try:
-            return self.forward(*args, *rest, self.shape, ingest)
+            return self.forward(step, self.weights, c.k[0], c.v[0], self.shape)
         except Exception as e:  # a compile failure must not stop drafting
             if self.forward is head_forward:
                 raise
             warn_fallback(log, "compiled EAGLE-3 head", e, "eager from now on")
             self.forward = head_forward
-            return head_forward(*args, *rest, self.shape, ingest)
+            return head_forward(step, self.weights, c.k[0], c.v[0], self.shape)
 
     # -- drafting -----------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
-        ks, dev = plan.ks, self.device
-        kmax = max(ks)
-        tokens = torch.zeros(len(seqs), kmax, dtype=torch.long, device=dev)  # [batch, K]
-        rows = [b for b, k in enumerate(ks) if k > 0]
+        """Take in every pending position (the last one's output drafts d_1), then chain the
+        head on its own output and the previous draft (:func:`draft_chain`)."""
         # q matters only to sampled rows: an all-greedy batch reports none (one-hot)
-        sampled = any(not plan.params[b].greedy for b in rows)
-        probs = torch.zeros(len(seqs), kmax, self.vocab_size, device=dev) if sampled else None
-        if not rows:
-            return Proposal(tokens, list(ks), probs)
-        idx = to_device(rows, torch.long, dev)
-        row_p = (plan.temperature[idx], plan.top_k[idx], plan.top_p[idx], plan.greedy[idx])
-        # ingest every pending position; the last one's output drafts d_1
-        out, logits = self._ingest(
-            [seqs[b] for b in rows], [self.pending_n[seqs[b].slot] for b in rows]
-        )
-        tok = tokens[:0, 0]
-        guide = DraftGrammar(seqs)
-        for j in range(kmax):
-            active = [i for i, b in enumerate(rows) if ks[b] > j]
-            if len(active) < len(rows):  # rows whose K is reached leave the draft batch
-                rows = [rows[i] for i in active]
-                a = to_device(active, torch.long, dev)
-                row_p = (row_p[0][a], row_p[1][a], row_p[2][a], row_p[3][a])
-                out, tok = out[a], tok[a]
-            if j > 0:  # feed (own output, previous draft) at the next position
-                slots = [seqs[b].slot for b in rows]
-                starts = [self.cache.lengths[s] for s in slots]
-                out, logits = self.chain_step(tok, out, slots, starts)
-                for s, st in zip(slots, starts):
-                    self.cache.commit(s, st + 1)
-            row_t = to_device(rows, torch.long, dev)
-            tok, q = self._choose(logits, rows, row_t, j, row_p, plan, guide, sampled)
-            tokens[row_t, j] = tok
-            if probs is not None:
-                probs[row_t, j] = q
-            if guide:
-                guide.took(tok.tolist(), rows)
-        guide.close()
-        return Proposal(tokens, list(ks), probs)
+        sampled = any(not plan.params[b].greedy for b, k in enumerate(plan.ks) if k > 0)
+
+        def step(at: Position, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = [seqs[b] for b in at.rows]
+            if at.prev is None or out is None:  # ingest: the pending positions
+                out, logits = self._ingest(rows, [self.pending_n[s.slot] for s in rows])
+                return logits, out
+            if at.keep is not None:
+                out = out[at.keep]
+            slots = [s.slot for s in rows]
+            starts = [self.cache.lengths[s] for s in slots]
+            out, logits = self.chain_step(at.prev, out, slots, starts)  # feed (output, draft)
+            for s, st in zip(slots, starts):
+                self.cache.commit(s, st + 1)
+            return logits, out
+
+        def choose(logits, rows, row_t, j, p: RowParams, guide: DraftGrammar):
+            return self._choose(logits, rows, row_t, j, p, plan, guide, sampled)
+
+        return draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
 
     def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled):
         """Draft position j of ``rows`` from the head's logits over the draft vocabulary

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from engine.drafters.eagle.step import HeadWeights, head_forward
+from engine.drafters.eagle.step import HeadStep, HeadWeights, head_forward
 from engine.fallback import warn_fallback
 from engine.model.compiled import bucket, default_buckets
 from engine.model.cuda_graphs import kv_buckets, record_on
@@ -84,15 +84,17 @@ class HeadCapture:
         qb = bucket(self.q_buckets, q) if ingest else (1 if q == 1 else None)
         return None if nb is None or qb is None or kv is None else (nb, qb, kv, ingest)
 
-    def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, step: HeadStep, w: HeadWeights, kc: torch.Tensor, vc: torch.Tensor, shape: LayerShape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Arguments as :func:`head_forward`'s; outputs ``[rows, hidden]``, logits
         ``[rows, draft_vocab]``."""
-        ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest = args
+        ids, x, last, pos, write_pos, kv_idx, slot_t, ingest = step
         rows, q = ids.shape
         key = None if self.eager else self.key(rows, q, kv_idx.shape[0], ingest)
         if key is None:
             self.eager_calls += 1
-            return head_forward(*args)
+            return head_forward(step, w, kc, vc, shape)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(key, x.shape[-1], w, kc, vc, shape)
@@ -151,10 +153,10 @@ class HeadCapture:
         write_pos.fill_(self.scratch_pos)  # the runs before the recording write the scratch column
         kv_idx = torch.arange(kv, device=dev)
 
+        step = HeadStep(ids, x, last, pos, write_pos, kv_idx, slot_t, ingest)
+
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            return head_forward(
-                ids, x, last, w, pos, write_pos, kv_idx, kc, vc, slot_t, shape, ingest
-            )
+            return head_forward(step, w, kc, vc, shape)
 
         if dev.type == "cuda" and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.group_graphs import compile_guardless
-from engine.model.layer import LayerShape, decoder_layer, linear, rms_norm, varying_shape_attention
+from engine.model.layer import (
+    LayerInputs,
+    LayerShape,
+    decoder_layer,
+    linear,
+    rms_norm,
+    varying_shape_attention,
+)
 from engine.model.weights import LayerWeights
 
 if TYPE_CHECKING:
@@ -48,28 +55,31 @@ class HeadWeights(NamedTuple):
     sin: torch.Tensor  # [max_len + 1, head_dim]
 
 
+class HeadStep(NamedTuple):
+    """One call's inputs to :func:`head_forward`: its rows, where they are and what they read."""
+
+    ids: torch.Tensor  # [rows, q] the tokens
+    # [rows, q, taps * target_hidden] target features when ``ingest`` (``fc`` fuses them), else
+    # [rows, q, hidden] fused features or the head's own outputs
+    x: torch.Tensor
+    last: torch.Tensor  # [rows] the query whose output and logits are returned
+    pos: torch.Tensor  # [rows, q] positions
+    write_pos: torch.Tensor  # [rows, q] the cache column each token's K/V is written to
+    kv_idx: torch.Tensor  # [kv_len] arange: the keys read
+    slot_t: torch.Tensor  # [rows] each row's slot in the head's cache
+    ingest: bool  # x holds target features
+
+
 def head_forward(
-    ids: torch.Tensor,
-    x: torch.Tensor,
-    last: torch.Tensor,
-    w: HeadWeights,
-    pos: torch.Tensor,
-    write_pos: torch.Tensor,
-    kv_idx: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    slot_t: torch.Tensor,
-    shape: LayerShape,
-    ingest: bool,
+    step: HeadStep, w: HeadWeights, kc: torch.Tensor, vc: torch.Tensor, shape: LayerShape
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head over tokens ``ids`` ``[rows, q]`` at positions ``pos`` ``[rows, q]`` (K/V
-    written at ``write_pos`` of slots ``slot_t`` ``[rows]``; keys ``kv_idx`` ``[kv_len]`` read).
-    ``x``: target features ``[rows, q, taps * target_hidden]`` when ``ingest`` (``fc`` fuses
-    them), else fused features or the head's own outputs ``[rows, q, hidden]``.
+    """The head over ``step``'s rows, its layer's cache ``kc`` / ``vc`` ``[slots, kv_heads,
+    max_len + 1, head_dim]`` written in place.
 
     Returns the layer's output (before the final norm) at query ``last[b]`` of each row
     ``[rows, hidden]`` and the float32 logits there over the draft vocabulary
     ``[rows, draft_vocab]``."""
+    ids, x, last, pos, write_pos, kv_idx, slot_t, ingest = step
     eps = shape.eps
     g = linear(x, w.fc) if ingest else x  # [rows, q, hidden]
     e = F.embedding(ids, w.embed)  # [rows, q, hidden]
@@ -78,7 +88,8 @@ def head_forward(
     cos, sin = w.cos[pos].unsqueeze(1), w.sin[pos].unsqueeze(1)  # [rows, 1, q, head_dim]
     mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, q, kv_len]
     with varying_shape_attention(g.device):  # on CUDA, eager or captured (layer.py)
-        out = decoder_layer(g, w.layer, cos, sin, mask, kc, vc, slot_t, write_pos, None, shape, a)
+        at = LayerInputs(cos, sin, mask, slot_t, write_pos, None, shape)
+        out = decoder_layer(g, w.layer, kc, vc, at, a)
     o = out[torch.arange(out.shape[0], device=out.device), last]  # [rows, hidden]
     logits = linear(rms_norm(o, w.norm, eps), w.lm_head).float()  # [rows, draft_vocab]
     return o, logits
@@ -91,15 +102,16 @@ class HeadGraphs:
         self.backend = backend
         self.graphs: dict[tuple, Callable] = {}  # (rows == 1, q == 1, ingest) -> its graph
 
-    def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, step: HeadStep, w: HeadWeights, kc: torch.Tensor, vc: torch.Tensor, shape: LayerShape
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Arguments as :func:`head_forward`'s."""
-        ids, x, last, _, pos, write_pos, kv_idx, _, _, slot_t, _, ingest = args
-        key = (ids.shape[0] == 1, ids.shape[1] == 1, ingest)
+        key = (step.ids.shape[0] == 1, step.ids.shape[1] == 1, step.ingest)
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = compile_guardless(head_forward, self.backend)
-            self._mark(ids, x, last, pos, write_pos, kv_idx, slot_t)
-        return fn(*args)
+            self._mark(step)
+        return fn(step, w, kc, vc, shape)
 
     def warm_up(self, run: Callable, width: tuple[int, int], dtype, device, scratch_pos: int):
         """Compile every key through the drafter's ``run`` (EagleDrafter._run) on the scratch
@@ -124,11 +136,12 @@ class HeadGraphs:
         log.info("compiled the EAGLE-3 head in %.1f s", time.perf_counter() - t0)
 
     @staticmethod
-    def _mark(ids, x, last, pos, write_pos, kv_idx, slot_t) -> None:
+    def _mark(step: HeadStep) -> None:
         """Mark rows, q (sizes above 1: the key holds whether they are 1) and the key length
         dynamic on the call that compiles a key."""
         import torch._dynamo as dynamo
 
+        ids, x, last, pos, write_pos, kv_idx, slot_t, _ = step
         marks = [(ids, 0), (ids, 1), (x, 0), (x, 1), (last, 0), (pos, 0), (pos, 1)]
         marks += [(write_pos, 0), (write_pos, 1), (kv_idx, 0), (slot_t, 0)]
         for t, d in marks:

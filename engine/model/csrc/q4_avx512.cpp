@@ -31,7 +31,7 @@ namespace {
 
 constexpr int64_t kBlock = 320;  // bytes per 16 columns x 32 inputs
 // Groups ahead that a tile asks the cache for (5 KiB): the hardware prefetcher alone left a decode
-// waiting on memory (loadtest.bench.q4_prefetch; loadtest/results/bench_q4_prefetch.txt). A
+// waiting on memory (loadtest.bench.q4_prefetch; loadtest/results/q4_prefetch.txt). A
 // prefetch past the buffer's end is harmless, and none changes a result.
 constexpr int64_t kAhead = 16;
 

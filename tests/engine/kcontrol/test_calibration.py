@@ -84,10 +84,10 @@ def test_slots_are_freed_when_a_forward_fails(runners, monkeypatch):
     target, draft = runners
     real = target.forward
 
-    def failing(tokens, slots, counts=None, logits="last"):
+    def failing(tokens, slots, counts=None, logits="last", invariant=False):
         if logits == "all":
             raise RuntimeError("boom")
-        return real(tokens, slots, counts, logits)
+        return real(tokens, slots, counts, logits, invariant)
 
     monkeypatch.setattr(target, "forward", failing)
     with pytest.raises(RuntimeError):

@@ -13,7 +13,7 @@ import torch
 
 from engine.model.compiled import CompileConfig
 from engine.model.cuda_graphs import GraphForward, kv_buckets
-from engine.model.fast_path import attach, fast_mode
+from engine.model.fast_path import fast_mode
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
 from tests.helpers import (
@@ -35,9 +35,9 @@ def prompts(n=5, seed=0):
 
 
 def graph_engine(models, drafter, mode="cuda-graphs", **cfg):
-    e = engine_for(models, drafter, num_layers=2)  # "layers": the target's first 2 layers
-    for r in e.runners():
-        attach(r, CompileConfig(enabled=True, mode=mode, **cfg), e.k_max)
+    compiled = CompileConfig(enabled=True, mode=mode, **cfg)
+    # "layers": the target's first 2 layers
+    e = engine_for(models, drafter, num_layers=2, compile=compiled)
     e.warm_up()
     return e
 

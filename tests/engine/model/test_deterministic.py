@@ -143,7 +143,7 @@ def test_real_model_bf16_greedy_is_the_same_alone_batched_and_speculating():
     with it on, alone, batched and speculating (n-gram, K = 4; a counting completion that it
     copies) give the same tokens and log-probabilities."""
     from engine.model.loader import load_model
-    from loadtest.datasets import Prompt, encode, human_eval, mt_bench
+    from prompts.sets import Prompt, encode, human_eval, mt_bench
     from tests.conftest import REAL_SPEC
 
     model, tok = load_model(REAL_SPEC, "bfloat16")

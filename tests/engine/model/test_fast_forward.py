@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from engine.model.compiled import CompileConfig, FastForward, bucket, default_buckets
-from engine.model.fast_path import attach
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
 from engine.worker.worker import EngineWorker, NotAcceptingError
@@ -29,10 +28,8 @@ def prompts(n=5, seed=0):
 
 
 def compiled_engine(models, drafter="layers", **cfg):
-    e = engine_for(models, drafter, num_layers=2)  # "layers": the target's first 2 layers
-    for r in e.runners():
-        attach(r, CompileConfig(enabled=True, **cfg), e.k_max)
-    return e
+    # "layers": the target's first 2 layers
+    return engine_for(models, drafter, num_layers=2, compile=CompileConfig(enabled=True, **cfg))
 
 
 def test_buckets():
@@ -64,13 +61,9 @@ def test_handles_only_shapes_inside_the_buckets(models):
 
 
 def test_padded_shape_is_the_bucket_the_forward_runs(models):
-    e = engine_for(models, "ngram")
-    assert e.target.padded_shape(3, 2) == (3, 2)  # eager: as given
-    e.target.fast = FastForward(
-        e.target,
-        CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4], q_buckets=[1, 4]),
-        k_max=3,
-    )
+    assert engine_for(models, "ngram").target.padded_shape(3, 2) == (3, 2)  # eager: as given
+    compiled = CompileConfig(enabled=True, backend="eager", batch_buckets=[2, 4], q_buckets=[1, 4])
+    e = engine_for(models, "ngram", compile=compiled)
     assert e.target.padded_shape(1, 1) == (2, 1)
     assert e.target.padded_shape(3, 2) == (4, 4)
     assert e.target.padded_shape(3, 5) == (3, 5)  # past the q buckets: eager, unpadded
@@ -154,7 +147,7 @@ def test_compile_failure_falls_back_to_eager(models, caplog):
     spec = SpecParams(k=3)
     ref = [s.output_ids for s in engine_for(models, None).generate(ps, GREEDY)]
     e = compiled_engine(models, "ngram", backend=broken, batch_buckets=[8], q_buckets=[9])
-    assert e.forward_paths() == {"target": "compiled"}  # attached, not yet compiled
+    assert e.forward_paths() == {"target": "compiled"}  # built, not yet compiled
     with caplog.at_level(logging.WARNING):
         e.warm_up()
     assert e.target.fast is None

@@ -7,20 +7,24 @@ import torch
 from engine.model.compiled import CompileConfig, FastForward
 from engine.model.group_graphs import compile_guardless, own_code
 from engine.model.runner import ModelRunner
+from engine.model.weights import ModelWeights, dense_weights
 
 
-def runner_pair(tiny_llama, **cfg):
+def runner_pair(tiny_llama, taps=(), weights=None, **cfg):
     """Two runners of one model: eager, and compiled (Dynamo's "eager" backend: the graph logic
     without inductor's compile time) over groups of ``layers_per_graph`` layers."""
-    eager, fast = (ModelRunner(tiny_llama, num_slots=4, max_len=64) for _ in range(2))
-    fast.fast = FastForward(
-        fast, CompileConfig(enabled=True, backend="eager", batch_buckets=[1, 4], **cfg), k_max=3
+    eager = ModelRunner(tiny_llama, num_slots=4, max_len=64, taps=taps, weights=weights)
+    ccfg = CompileConfig(enabled=True, backend="eager", batch_buckets=[1, 4], **cfg)
+    fast = ModelRunner(
+        tiny_llama, num_slots=4, max_len=64, taps=taps, weights=weights, compile=ccfg, k_max=3
     )
+    assert isinstance(fast.fast, FastForward)
     return eager, fast
 
 
 def feed(runners, tokens, slots):
-    """The same forward on each runner (committed after); returns each one's logits."""
+    """The same forward on each runner (committed after); returns each one's logits and tapped
+    inputs."""
     outs = []
     for r in runners:
         outs.append(r.forward(tokens, slots, logits="all"))
@@ -30,9 +34,8 @@ def feed(runners, tokens, slots):
 
 
 def test_one_graph_per_key_serves_every_group_and_length(tiny_llama):
-    eager, fast = runner_pair(tiny_llama, layers_per_graph=1, q_buckets=[1, 4])
+    eager, fast = runner_pair(tiny_llama, taps=(0, 2), layers_per_graph=1, q_buckets=[1, 4])
     for r in (eager, fast):
-        r.taps = (0, 2)
         for _ in range(4):
             r.cache.allocate()
     g = torch.Generator().manual_seed(0)
@@ -47,8 +50,8 @@ def test_one_graph_per_key_serves_every_group_and_length(tiny_llama):
             break
         e, f = feed([eager, fast], tokens, slots)
         fed += 1
-        torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(fast.tapped, eager.tapped, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(f.logits, e.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(f.tapped, e.tapped, atol=1e-4, rtol=1e-4)
     assert fed > 20 and fast.fast.calls == fed  # every forward ran the compiled groups
     graphs = fast.fast.graphs.graphs
     assert len(graphs) == 4  # three layers share each key's graph, whatever the key length
@@ -63,16 +66,18 @@ def test_a_structurally_different_group_gets_its_own_graph(tiny_llama):
     """A layer whose weights differ in structure (here a Q bias, as a layer whose 4-bit
     conversion failed keeps dense weights) must not run another group's graph: guards that
     would have told them apart are dropped, so the key does."""
-    eager, fast = runner_pair(tiny_llama, layers_per_graph=1, q_buckets=[1])
-    bias = torch.randn(eager.weights[1].q.shape[0]) * 0.5  # type: ignore[union-attr]
+    layers = dense_weights(tiny_llama).layers
+    bias = torch.randn(layers[1].q.shape[0]) * 0.5  # type: ignore[union-attr]
+    layers[1] = layers[1]._replace(q_bias=bias)
+    weights = ModelWeights(layers, None)
+    eager, fast = runner_pair(tiny_llama, weights=weights, layers_per_graph=1, q_buckets=[1])
     for r in (eager, fast):
-        r.weights[1] = r.weights[1]._replace(q_bias=bias)
         r.cache.allocate()
     e, f = feed([eager, fast], [[11]], [0])
-    torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f.logits, e.logits, atol=1e-4, rtol=1e-4)
     assert len(fast.fast.graphs.graphs) == 2  # layers 0 and 2 share one, layer 1 its own
     e, f = feed([eager, fast], [[12]], [0])
-    torch.testing.assert_close(f, e, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(f.logits, e.logits, atol=1e-4, rtol=1e-4)
     assert len(fast.fast.graphs.graphs) == 2
     assert fast.fast.calls == 2  # both forwards ran compiled
 

@@ -21,9 +21,7 @@ PROMPT = list(range(3, 80))  # 77 tokens: TILE blocks and a part, attention past
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def runner(request):
     m = tiny_llama(5, vocab=300, hidden=64, heads=4, kv_heads=2, layers=2, max_positions=256)
-    r = ModelRunner(m.to(request.param), num_slots=4, max_len=128)
-    r.invariant = True
-    return r
+    return ModelRunner(m.to(request.param), num_slots=4, max_len=128)
 
 
 @pytest.fixture
@@ -40,28 +38,31 @@ def invariant_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def feed(r: ModelRunner, slot: int, pieces: list[int], beside: list[list[int]] = ()):
+def feed(
+    r: ModelRunner, slot: int, pieces: list[int], beside: list[list[int]] = (), inv: bool = True
+):
     """The prompt's logits fed in ``pieces`` (sizes) to ``slot``, other slots' rows beside it
-    (fed at their start each time, never committed)."""
+    (fed at their start each time, never committed); ``inv``: by the invariant forward."""
     r.cache.free(slot)
     r.cache.allocate(slot)
     out, at = [], 0
     others = [s for s in range(4) if s != slot][: len(beside)]
     for n in pieces:
-        logits = r.forward([PROMPT[at : at + n], *beside], [slot, *others], logits="all")
+        rows = [PROMPT[at : at + n], *beside]
+        logits = r.forward(rows, [slot, *others], logits="all", invariant=inv).logits
         out.append(logits[0, :n])
         at += n
         r.cache.commit(slot, at)
     return torch.cat(out)  # [prompt, vocab]
 
 
-def fed_three_ways(runner: ModelRunner) -> list[torch.Tensor]:
+def fed_three_ways(runner: ModelRunner, inv: bool = True) -> list[torch.Tensor]:
     """The prompt's logits fed as one chunk, one token a forward beside two other rows, and in
     verify-like pieces beside a prefill-like row."""
     return [
-        feed(runner, 0, [len(PROMPT)]),
-        feed(runner, 1, [1] * len(PROMPT), beside=[[7, 8, 9], [4]]),
-        feed(runner, 2, [5, 4, 1, 7, 20, 40], beside=[list(range(30, 52))]),
+        feed(runner, 0, [len(PROMPT)], inv=inv),
+        feed(runner, 1, [1] * len(PROMPT), beside=[[7, 8, 9], [4]], inv=inv),
+        feed(runner, 2, [5, 4, 1, 7, 20, 40], beside=[list(range(30, 52))], inv=inv),
     ]
 
 
@@ -70,22 +71,14 @@ def test_logits_are_bit_identical_however_the_tokens_are_fed(runner, invariant_c
     assert torch.equal(one_by_one, whole) and torch.equal(verify_like, whole)
     assert len(invariant_calls) == 1 + len(PROMPT) + 6  # every forward was the invariant one
     # the control: the eager forward, fed the same ways, is not bit-identical here
-    runner.invariant = False
-    try:
-        whole, one_by_one, verify_like = fed_three_ways(runner)
-    finally:
-        runner.invariant = True
+    whole, one_by_one, verify_like = fed_three_ways(runner, inv=False)
     assert len(invariant_calls) == 1 + len(PROMPT) + 6  # (none of these ran it)
     assert not (torch.equal(one_by_one, whole) and torch.equal(verify_like, whole))
 
 
 def test_invariant_forward_equals_the_eager_one_up_to_rounding(runner):
     inv = feed(runner, 0, [len(PROMPT)]).float()
-    runner.invariant = False
-    try:
-        eager = feed(runner, 0, [len(PROMPT)]).float()
-    finally:
-        runner.invariant = True
+    eager = feed(runner, 0, [len(PROMPT)], inv=False).float()
     tol = 1e-4 if runner.dtype == torch.float32 else 0.1
     assert (inv - eager).abs().max() < tol * eager.abs().max()
     assert torch.equal(inv.argmax(-1), eager.argmax(-1)) or runner.dtype == torch.bfloat16
@@ -97,10 +90,10 @@ def test_last_and_hidden_modes_pick_the_same_rows(runner):
     rows = [PROMPT[:9], PROMPT[:3]]
     runner.cache.free(1)
     runner.cache.allocate(1)
-    every = runner.forward(rows, [0, 1], logits="all")  # [2, 9, vocab]
-    last = runner.forward(rows, [0, 1], logits="last")  # [2, vocab]
+    every = runner.forward(rows, [0, 1], logits="all", invariant=True).logits  # [2, 9, vocab]
+    last = runner.forward(rows, [0, 1], logits="last", invariant=True).logits  # [2, vocab]
     assert torch.equal(last[0], every[0, 8]) and torch.equal(last[1], every[1, 2])
-    hidden = runner.forward(rows, [0, 1], logits="hidden")  # [2, 9, hidden]
+    hidden = runner.hidden(rows, [0, 1], invariant=True).states  # [2, 9, hidden]
     assert hidden.shape == (2, 9, 64) and torch.equal(hidden[1, 3:], torch.zeros(6, 64))
 
 
@@ -108,7 +101,7 @@ def test_check_passes_here_and_names_a_forward_that_is_not_invariant(runner, mon
     for s in range(4):
         runner.cache.free(s)
     invariant.check(runner)
-    assert runner.cache.num_free() == 4 and runner.invariant  # slots given back, flag restored
+    assert runner.cache.num_free() == 4  # slots given back
     logits = runner.logits  # a head whose result depends on how many rows it is given
     monkeypatch.setattr(runner, "logits", lambda h: logits(h) + 1e-3 * h.shape[0])
     monkeypatch.setattr(invariant, "TILE", 1)  # no padding, and one call for every row

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.model.layer import (
+    LayerInputs,
     LayerShape,
     additive_mask,
     config_shape,
@@ -62,10 +63,8 @@ def test_decoder_layer_matches_transformers(tiny_llama):
     mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
     cache = torch.zeros(1, shape.kv_heads, max_len + 1, shape.head_dim)  # [slots, kvh, L+1, hd]
     kc, vc = cache.clone(), cache.clone()
-    out = decoder_layer(
-        h, from_layer(layer), cos[:, None], sin[:, None], mask, kc, vc,
-        torch.tensor([0]), pos, 0, shape,
-    )  # fmt: skip
+    at = LayerInputs(cos[:, None], sin[:, None], mask, torch.tensor([0]), pos, 0, shape)
+    out = decoder_layer(h, from_layer(layer), kc, vc, at)
     causal = torch.full((1, 1, q, q), float("-inf")).triu(1)  # [batch, 1, q, q] additive
     with torch.no_grad():
         ref = layer(h, attention_mask=causal, position_ids=pos, position_embeddings=(cos, sin))
@@ -85,9 +84,8 @@ def _layer_out(layer, w, shape, mask_fn=lambda m: m):
     mask = (torch.arange(q)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [1, 1, q, q]
     kc = torch.zeros(1, shape.kv_heads, max_len + 1, shape.head_dim)
     vc = kc.clone()
-    out = decoder_layer(
-        h, w, cos, sin, mask_fn(mask), kc, vc, torch.tensor([0]), pos, 0, shape
-    )  # fmt: skip
+    at = LayerInputs(cos, sin, mask_fn(mask), torch.tensor([0]), pos, 0, shape)
+    out = decoder_layer(h, w, kc, vc, at)
     return out, kc, vc
 
 

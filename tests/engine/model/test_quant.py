@@ -2,6 +2,8 @@
 matrices are the file's weights (logits equal the dense model's to float32 rounding), and
 speculation over the 4-bit target is lossless against the same target decoding alone."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,6 @@ import torch
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.model.compiled import CompileConfig
-from engine.model.fast_path import attach
 from engine.model.loader import resolve_source
 from engine.model.q4_matmul import GROUP, Q4Weight
 from engine.model.quant import (
@@ -18,12 +19,14 @@ from engine.model.quant import (
     _row_perm,
     convert_q4_1,
     convert_q8_0_head,
-    use_native_q4,
+    native_q4,
 )
 from engine.model.runner import ModelRunner
+from engine.model.weights import ModelWeights
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
 from tests.conftest import REAL_SPEC
+from tests.helpers import float32_q4_engine
 
 pytestmark = pytest.mark.real_model
 
@@ -49,13 +52,17 @@ def test_q4_1_block_layout():
 
 def test_converted_weights_are_the_files(real_fp32):
     model, tok = real_fp32
-    dense = ModelRunner(model, 1, 256)
-    q4 = ModelRunner(model, 1, 256)
-    unfused = ModelRunner(model, 1, 256)
     path = resolve_source(REAL_SPEC).location
-    assert convert_q4_1(path, q4) == 210  # 30 x 7
-    assert convert_q4_1(path, unfused, fuse=False) == 210
-    assert convert_q8_0_head(path, q4) and convert_q8_0_head(path, unfused)
+    fused_layers, n = convert_q4_1(path, model)
+    assert n == 210  # 30 x 7
+    unfused_layers, n = convert_q4_1(path, model, fuse=False)
+    assert n == 210
+    head = convert_q8_0_head(path, model)
+    assert head is not None
+    dense = ModelRunner(model, 1, 256)
+    q4 = ModelRunner(model, 1, 256, weights=ModelWeights(fused_layers, head))
+    unfused = ModelRunner(model, 1, 256, weights=ModelWeights(unfused_layers, head))
+    assert q4.head is not None
     assert q4.head.shape == (49152, 2 * 576)  # [x, x] @ [high nibbles | low nibbles].T
     assert all(
         w.qkv is not None
@@ -81,16 +88,16 @@ def test_converted_weights_are_the_files(real_fp32):
         for f in projections
     )
     ids = tok("def fibonacci(n):\n    ", return_tensors=None)["input_ids"]
-    a = dense.forward([ids], [0], logits="all")
-    b = q4.forward([ids], [0], logits="all")
+    a = dense.forward([ids], [0], logits="all").logits
+    b = q4.forward([ids], [0], logits="all").logits
     assert torch.allclose(a, b, atol=5e-3, rtol=0), (a - b).abs().max()
-    c = unfused.forward([ids], [0], logits="all")
+    c = unfused.forward([ids], [0], logits="all").logits
     assert torch.allclose(b, c, atol=1e-5, rtol=0), (b - c).abs().max()  # fusing changes no sum
 
 
 def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
-    """In float32 (exact), with the 4-bit layers put in by hand: a float32 config's native_q4
-    keeps dense weights (torch's float32 int4 matmul is slow), which the builder test checks."""
+    """In float32 (exact), the builder's pieces over the 4-bit weights: a float32 config's
+    native_q4 keeps dense weights (torch's float32 int4 matmul is slow), which is checked first."""
     cfg = EngineConfig.from_dict(
         {
             "model": {"dtype": "float32", "native_q4": True},
@@ -99,9 +106,11 @@ def test_speculation_over_the_4bit_target_is_lossless(real_fp32):
             "drafter": {"method": "ngram"},
         }
     )
-    engine = build_engine(cfg, real_fp32).engine
-    assert isinstance(engine.target.weights[0].q, torch.Tensor)  # dense in float32
-    assert use_native_q4(REAL_SPEC, *engine.runners()) == 210
+    dense = build_engine(cfg, real_fp32).engine
+    assert isinstance(dense.target.weights[0].q, torch.Tensor)  # dense in float32
+    engine = float32_q4_engine(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source=REAL_SPEC)), real_fp32
+    )
     assert isinstance(engine.target.weights[0].qkv, Q4Weight)
     _, tok = real_fp32
     prompts = [
@@ -126,18 +135,19 @@ def test_4bit_layer_weights_trace_through_the_compiled_path(real_fp32):
     argument (backend "eager": the trace without inductor; one graph for every layer): the
     fast path's logits are the eager 4-bit forward's."""
     model, tok = real_fp32
-    eager, traced = ModelRunner(model, 4, 128), ModelRunner(model, 4, 128)
-    assert use_native_q4(REAL_SPEC, eager, traced) == 210
-    assert traced.weights is not eager.weights and traced.weights[0] is eager.weights[0]
+    weights = native_q4(REAL_SPEC, model)
+    assert weights is not None
     ccfg = CompileConfig(enabled=True, backend="eager", batch_buckets=[4], q_buckets=[4])
-    attach(traced, ccfg, k_max=3)
+    eager = ModelRunner(model, 4, 128, weights=weights)
+    traced = ModelRunner(model, 4, 128, weights=weights, compile=ccfg, k_max=3)
+    assert traced.weights[0] is eager.weights[0] and isinstance(traced.weights[0].o, Q4Weight)
     ids = tok("The capital of France is", return_tensors=None)["input_ids"]
     out = []
     for r in (eager, traced):
         s = r.cache.allocate()
         r.forward([ids], [s])  # prefill: eager (longer than the q bucket)
         r.cache.commit(s, len(ids))
-        out.append(r.forward(torch.tensor([[5, 6, 7]]), [s], counts=[3], logits="all"))
+        out.append(r.forward(torch.tensor([[5, 6, 7]]), [s], counts=[3], logits="all").logits)
     assert traced.fast is not None and traced.fast.calls == 1
     # padded to the bucket's 4 rows x 4 tokens, the int4 kernel blocks rows differently: fp32
     # rounding apart, no more

@@ -75,10 +75,10 @@ def prefill_tokens(engine) -> list[int]:
     fed: list[int] = []
     real = engine.target.forward
 
-    def forward(tokens, slots, counts=None, logits="last"):
+    def forward(tokens, slots, counts=None, logits="last", invariant=False):
         if isinstance(tokens, list):
             fed.extend(len(t) for t in tokens)
-        return real(tokens, slots, counts, logits)
+        return real(tokens, slots, counts, logits, invariant)
 
     engine.target.forward = forward
     return fed

@@ -74,7 +74,7 @@ def test_first_tokens_read_the_host_once(models):
     chunks = sched.schedule_prefill()
     logits = []
     for c in chunks:
-        logits.append(e.target.forward([c.tokens], [c.seq.slot]))
+        logits.append(e.target.forward([c.tokens], [c.seq.slot]).logits)
         sched.prefilled(c)
     with count_host_reads() as reads:
         outs = e.speculator.first_tokens([c.seq for c in chunks], torch.cat(logits))

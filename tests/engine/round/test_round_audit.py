@@ -94,12 +94,9 @@ def test_every_compiled_round_is_what_it_should_be(models, mode):
     """The target's verifies and the draft model's steps on the fast path (inductor; captured
     graphs re-run on CPU): compiled-path calls counted before and after."""
     from engine.model.compiled import CompileConfig
-    from engine.model.fast_path import attach
 
-    engine = engine_for(models, "model", slots=N, max_len=32)
     cfg = CompileConfig(enabled=True, mode=mode, batch_buckets=[N], q_buckets=[1, 8], kv_align=16)
-    for r in engine.runners():
-        attach(r, cfg, 4)
+    engine = engine_for(models, "model", slots=N, max_len=32, compile=cfg)
     engine.warm_up()
     before = [r.fast.calls for r in engine.runners()]
     audit, seqs = audited(engine, hf_reference(models[0]))
@@ -115,11 +112,10 @@ def test_every_round_of_the_4bit_target_with_the_shipped_drafter(real_fp32):
     the 4-bit target, as configs/default.yaml builds them (eager), in float32 so that the check
     can be tight (bfloat16 rounding alone parts a prefill's p from a verify's by up to ~0.1):
     the reference is the same 4-bit weights' eager forward over the whole context."""
-    from engine.builder import build_engine
     from engine.config import EngineConfig
     from engine.model.q4_matmul import Q4Weight
-    from engine.model.quant import use_native_q4
     from tests.conftest import REAL_SPEC
+    from tests.helpers import float32_q4_engine
 
     cfg = EngineConfig.from_dict(
         {
@@ -134,10 +130,8 @@ def test_every_round_of_the_4bit_target_with_the_shipped_drafter(real_fp32):
             },
         }
     )
-    engine = build_engine(cfg, real_fp32).engine
-    # float32 keeps dense weights (tests/engine/model/test_quant.py): the 4-bit layers put in by
-    # hand
-    assert use_native_q4(REAL_SPEC, *engine.runners()) == 210
+    # build_engine keeps float32 dense (tests/engine/model/test_quant.py): its pieces, 4-bit
+    engine = float32_q4_engine(cfg, real_fp32)
     assert isinstance(engine.target.weights[0].qkv, Q4Weight)
     tok = real_fp32[1]
     prompts = [

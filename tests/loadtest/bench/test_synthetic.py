@@ -6,7 +6,7 @@ import torch
 
 from engine.round.rejection import rejection_sample
 from engine.worker.worker import EngineWorker
-from loadtest.bench.synthetic import bound, synthetic_accept
+from loadtest.bench.synthetic import SyntheticAccept, bound
 from tests.helpers import engine_for
 
 
@@ -15,7 +15,7 @@ def test_accepts_leading_drafts_at_rate_alpha():
     probs = torch.softmax(torch.randn(batch, k + 1, vocab), -1)  # [batch, K+1, vocab]
     drafts = torch.randint(0, vocab, (batch, k))
     num_draft = torch.tensor([k, 2, 0, k] * (batch // 4))
-    accept = synthetic_accept(alpha, torch.Generator().manual_seed(0))
+    accept = SyntheticAccept(torch.Generator().manual_seed(0), alpha)
     num_acc, nxt = accept(probs, drafts, num_draft, None, None, None, None)
     assert (num_acc <= num_draft).all()
     assert (num_acc[2::4] == 0).all()
@@ -32,10 +32,9 @@ def test_bound():
 
 
 def test_worker_refuses_an_engine_with_synthetic_acceptance(tiny_llama):
-    engine = engine_for(tiny_llama, None, slots=1, max_len=64)
-    EngineWorker(engine)  # the exact rule is served
-    engine.accept = synthetic_accept(0.9, torch.Generator())  # what the benchmark does
+    EngineWorker(engine_for(tiny_llama, None, slots=1, max_len=64))  # the exact rule is served
+    synthetic = SyntheticAccept(torch.Generator(), 0.9)  # what the benchmark builds
+    engine = engine_for(tiny_llama, None, slots=1, max_len=64, accept=synthetic)
     with pytest.raises(ValueError, match="refusing to serve"):
         EngineWorker(engine)
-    engine.accept = rejection_sample
-    EngineWorker(engine)
+    EngineWorker(engine_for(tiny_llama, None, slots=1, max_len=64, accept=rejection_sample))

@@ -97,11 +97,9 @@ def fresh_cache(drafter: EagleDrafter, target, seq, skip: tuple[int, int] = (0, 
     whole sequence (one prefill), taken in by a new drafter in one forward. ``skip`` (at, n):
     the n positions from ``at`` left out, the head's positions consecutive across the gap."""
     ids = seq.token_array().tolist()
-    runner = ModelRunner(target, num_slots=1, max_len=256)
-    runner.taps = drafter.taps
+    runner = ModelRunner(target, num_slots=1, max_len=256, taps=drafter.taps)
     runner.cache.allocate(0)
-    runner.forward([ids[:-1]], [0])
-    feats = runner.tapped[0]  # [N - 1, 3 hidden]
+    feats = runner.forward([ids[:-1]], [0]).tapped[0]  # [N - 1, 3 hidden]
     at, n = skip
     feats = torch.cat([feats[:at], feats[at + n :]])  # position p pairs with token p + 1:
     ids = ids[: at + 1] + ids[at + n + 1 :]  # the tokens after the kept positions, in order
@@ -126,9 +124,7 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
     features of the whole sequence, and pending + real covers exactly N - 1 positions; rounds
     at K = 0 (``plain_rounds``) keep at most 2 WINDOW positions pending (older ones skipped)."""
     head = random_head(6)
-    engine = eagle_engine(target, head, k=3)
-    d = engine.drafter
-    assert isinstance(d, EagleDrafter)
+    rule = None
     k = 0 if case == "plain_rounds" else 3
     if case in ("all_accepted", "first_rejected"):  # force it: all accepted, or the first rejected
         n_acc = 3 if case == "all_accepted" else 0
@@ -138,7 +134,9 @@ def test_head_cache_equals_a_fresh_take_in(target, case):
             nxt = probs[torch.arange(len(num)), acc].argmax(-1)
             return acc, nxt
 
-        engine.accept = rule
+    engine = eagle_engine(target, head, k=3, accept=rule)
+    d = engine.drafter
+    assert isinstance(d, EagleDrafter)
     seqs = [
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=30), SpecParams(k=k))
         for i, p in enumerate(prompts(3, seed=11))

@@ -12,7 +12,7 @@ import torch
 
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.graphs import HeadCapture
-from engine.drafters.eagle.step import head_forward
+from engine.drafters.eagle.step import HeadStep, head_forward
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
 from tests import helpers
@@ -80,8 +80,8 @@ def run_calls(d: EagleDrafter, fn, calls) -> tuple[torch.Tensor, torch.Tensor]:
             kv = d.kv_idx[: -(-(max(starts) + q) // KV_ALIGN) * KV_ALIGN]
             last = torch.full((rows,), q - 1, device=dev)
             slot_t = torch.tensor(slots, device=dev)
-            fn(ids, x, last, d.weights, pos, pos, kv, d.cache.k[0], d.cache.v[0], slot_t,
-               d.shape, ingest)  # fmt: skip
+            step = HeadStep(ids, x, last, pos, pos, kv, slot_t, ingest)
+            fn(step, d.weights, d.cache.k[0], d.cache.v[0], d.shape)
         after = d.cache.k[0].clone(), d.cache.v[0].clone()
         d.cache.k[0].copy_(k0)
         d.cache.v[0].copy_(v0)

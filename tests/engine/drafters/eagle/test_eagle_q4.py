@@ -8,7 +8,7 @@ import torch
 
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.q4 import dequantize, quantize, supported
-from engine.drafters.eagle.step import head_forward
+from engine.drafters.eagle.step import HeadStep, head_forward
 from engine.model.q4_matmul import GROUP
 from tests import helpers
 from tests.eagle_builders import (
@@ -64,11 +64,13 @@ def test_q4_head_computes_the_dense_head_on_its_rounded_weights():
     x = torch.randn(2, 5, d.head.fc.in_features, generator=g).bfloat16()
     ids = torch.randint(0, VOCAB, (2, 5), generator=g)
     pos = torch.arange(5).expand(2, 5).clone()
-    args = (ids, x, torch.tensor([4, 2]))
-    rest = (pos, pos, d.kv_idx[:16], d.cache.k[0], d.cache.v[0], torch.tensor([0, 1]), d.shape)
+    step = HeadStep(
+        ids, x, torch.tensor([4, 2]), pos, pos, d.kv_idx[:16], torch.tensor([0, 1]), True
+    )
+    cache = (d.cache.k[0], d.cache.v[0], d.shape)
     with torch.inference_mode():
-        o4, l4 = head_forward(*args, d.weights, *rest, True)
-        o, lg = head_forward(*args, rounded, *rest, True)
+        o4, l4 = head_forward(step, d.weights, *cache)
+        o, lg = head_forward(step, rounded, *cache)
     torch.testing.assert_close(o4.float(), o.float(), atol=0.05, rtol=0.05)
     torch.testing.assert_close(l4, lg, atol=0.1, rtol=0.05)
 

