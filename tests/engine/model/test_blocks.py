@@ -1,0 +1,199 @@
+"""engine/model/blocks.py: the block pool's ref counts and free queue, prefix lookup by chained
+hashes, eviction oldest-freed first, and the block tables' life (open on a cached prefix, reserve,
+commit, rollback, fork, close) without a leaked block."""
+
+import pytest
+
+from engine.model.blocks import (
+    ROOT,
+    BlockPool,
+    BlockTables,
+    PoolExhaustedError,
+    block_hash,
+    prefix_hashes,
+)
+
+BS = 4
+
+
+def tables(blocks=8, caching=True) -> BlockTables:
+    return BlockTables(BlockPool(blocks, BS), caching)
+
+
+def held(t: BlockTables) -> int:
+    return sum(b.ref for b in t.pool.blocks)
+
+
+def test_hashes_chain_and_depend_on_every_token_and_the_parent():
+    a = prefix_hashes(list(range(10)), BS)
+    assert len(a) == 2  # two full blocks of 4; the last 2 tokens are no block
+    assert a[0] == block_hash(ROOT, [0, 1, 2, 3]) and a[1] == block_hash(a[0], [4, 5, 6, 7])
+    b = prefix_hashes([0, 1, 2, 3, 4, 5, 6, 9], BS)
+    assert b[0] == a[0] and b[1] != a[1]  # a shared first block, a different second
+    c = prefix_hashes([9, 1, 2, 3, 4, 5, 6, 7], BS)
+    assert c[1] != a[1]  # the same second block after another first: another prefix
+    assert prefix_hashes(list(range(8)), BS, parent=b"salt") != a  # a salted root
+
+
+def test_take_hold_release_and_the_free_queue():
+    pool = BlockPool(3, BS)
+    a = pool.take(2)
+    assert pool.num_free() == 1 and all(pool.blocks[i].ref == 1 for i in a)
+    with pytest.raises(PoolExhaustedError):
+        pool.take(2)
+    assert pool.num_free() == 1  # nothing taken by the refused call
+    pool.hold(a[:1])
+    pool.release(a[::-1])
+    assert pool.blocks[a[0]].ref == 1 and pool.num_free() == 2
+    pool.release(a[:1])
+    assert pool.num_free() == 3
+    with pytest.raises(ValueError):
+        pool.release(a[:1])
+
+
+def test_a_second_request_reuses_the_prompt_and_computes_only_the_rest():
+    t = tables()
+    prompt = list(range(11))  # 2 full blocks and 3 tokens
+    assert t.open(0, prompt) == 0
+    t.reserve(0, len(prompt))
+    t.commit(0, prompt)
+    assert t.pool.num_cached() == 2
+    t.close(0)
+    assert held(t) == 0 and t.pool.num_cached() == 2  # freed, still cached
+    assert t.open(1, prompt + [50, 51]) == 8  # the 2 cached blocks; 5 tokens to compute
+    assert t.blocks(1) == [b for b in t.pool._cached.values()]
+    assert t.hits == 8 and t.queries == 11 + 13
+
+
+def test_at_least_the_last_token_is_computed():
+    t = tables()
+    prompt = list(range(8))  # exactly 2 full blocks
+    t.open(0, prompt)
+    t.reserve(0, 8)
+    t.commit(0, prompt)
+    t.close(0)
+    assert t.open(1, prompt) == 4  # the second block holds the last token: computed again
+
+
+def test_generated_tokens_are_cached_for_the_next_turn():
+    t = tables()
+    prompt, answer = list(range(6)), [20, 21, 22, 23, 24]
+    t.open(0, prompt)
+    t.reserve(0, 6)
+    t.commit(0, prompt)
+    t.reserve(0, 11)
+    t.commit(0, prompt + answer)  # 11 tokens: 2 full blocks, the second holds answer tokens
+    t.close(0)
+    assert t.open(1, prompt + answer + [7, 8, 9]) == 8
+
+
+def test_eviction_takes_the_oldest_freed_block_and_a_sequence_frees_its_tail_first():
+    t = tables(blocks=4)
+    p = list(range(100, 109))  # 2 full blocks + 1
+    t.open(0, p)
+    t.reserve(0, 9)
+    t.commit(0, p)
+    first, second, partial = t.blocks(0)
+    assert first not in (second, partial)
+    t.close(0)  # freed last first: partial, second, first
+    assert t.pool.num_free() == 4 and t.pool.num_cached() == 2
+    t.open(1, [1])
+    t.reserve(1, 8)  # 2 blocks: the never-used one, then the partial (oldest freed)
+    assert t.blocks(1) == [3, partial]
+    assert t.pool.num_cached() == 2 and t.pool.evictions == 0
+    t.reserve(1, 12)  # one more: the second block, evicted (its hash gone)
+    assert second in t.blocks(1) and t.pool.num_cached() == 1 and t.pool.evictions == 1
+    assert t.open(2, p) == 4  # the first block is still cached
+
+
+def test_a_cached_block_in_use_is_never_evicted():
+    t = tables(blocks=3)
+    p = list(range(9))
+    t.open(0, p)
+    t.reserve(0, 9)
+    t.commit(0, p)
+    with pytest.raises(PoolExhaustedError):
+        t.reserve(0, 13)  # all 3 blocks are held by the running sequence
+    t.close(0)
+    t.open(1, p)  # holds the 2 cached blocks
+    t.reserve(1, 9)
+    with pytest.raises(PoolExhaustedError):
+        t.open(2, [5])
+        t.reserve(2, 8)  # 1 free block left: the hit's blocks are not taken from under it
+
+
+def test_rollback_keeps_blocks_and_never_enters_a_cached_block():
+    t = tables()
+    p = list(range(6))
+    t.open(0, p)
+    t.reserve(0, 6 + 4)  # a verify of 4 drafted tokens past the prompt
+    t.commit(0, p + [1, 2])  # 8 kept: 2 full blocks
+    t.rollback(0, 8)
+    assert len(t.blocks(0)) == 3 and t.length(0) == 8
+    with pytest.raises(ValueError):
+        t.rollback(0, 7)  # inside the second, cached block
+    with pytest.raises(ValueError):
+        t.rollback(0, 9)  # past what is committed
+
+
+def test_choices_share_the_prompts_full_blocks():
+    t = tables()
+    p = list(range(10))
+    t.open(0, p)
+    t.reserve(0, 10)
+    t.commit(0, p)
+    t.fork(0, 1)
+    assert t.blocks(1) == t.blocks(0)[:2] and t.length(1) == 8
+    assert [t.pool.blocks[i].ref for i in t.blocks(0)] == [2, 2, 1]
+    t.close(0)
+    t.close(1)
+    assert held(t) == 0 and t.pool.num_free() == 8
+
+
+def test_caching_off_never_looks_up_nor_caches():
+    t = tables(caching=False)
+    p = list(range(9))
+    for key in (0, 1):
+        assert t.open(key, p) == 0
+        t.reserve(key, 9)
+        t.commit(key, p)
+        t.close(key)
+    assert t.pool.num_cached() == 0 and t.hits == 0
+
+
+def test_a_storm_of_sequences_leaks_no_block():
+    import random
+
+    rng = random.Random(0)
+    t = tables(blocks=16)
+    live: dict[int, list[int]] = {}
+    for _ in range(500):
+        key = rng.randrange(6)
+        if key in live and rng.random() < 0.3:
+            t.close(key)
+            del live[key]
+        elif key in live:
+            toks = live[key] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            try:
+                t.reserve(key, len(toks))
+            except PoolExhaustedError:
+                t.close(key)  # preempted
+                del live[key]
+                continue
+            t.commit(key, toks)
+            live[key] = toks
+        else:
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+            t.open(key, prompt)
+            try:
+                t.reserve(key, len(prompt))
+            except PoolExhaustedError:
+                t.close(key)
+                continue
+            t.commit(key, prompt)
+            live[key] = prompt
+    assert t.hits > 0  # the small alphabet makes prefixes repeat
+    for key in list(live):
+        t.close(key)
+    assert held(t) == 0 and t.pool.num_free() == 16
+    assert all(t.pool.blocks[i].hash == h for h, i in t.pool._cached.items())
