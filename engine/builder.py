@@ -233,6 +233,8 @@ def make_engine(
         grammars,
         cfg.deterministic,
         accept,
+        cfg.prefix_cache_tokens,
+        cfg.prefix_block_size,
     )
 
 

@@ -77,6 +77,10 @@ class EngineConfig:
     # request with many choices leaves room for others (engine/requests/scheduler.py)
     max_slots_per_request: int | None = None
     prefill_chunk_tokens: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
+    # automatic prefix caching (engine/model/prefix_cache.py): the K/V of this many positions
+    # kept for prompts that start the same (a conversation's next turn); 0: off
+    prefix_cache_tokens: int = 16384
+    prefix_block_size: int = 16  # positions a cached block holds
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)

@@ -26,6 +26,7 @@ import torch
 from engine.drafters.base import Drafter
 from engine.drafters.guard import GuardedDrafter
 from engine.kcontrol.controller import AdaptiveK, FixedK, KController
+from engine.model.prefix_cache import PrefixCache
 from engine.model.runner import ModelRunner
 from engine.protocol import EngineLoad
 from engine.requests.prefill import run_chunks
@@ -54,9 +55,13 @@ class SpecEngine:
         grammars: GrammarCompiler | None = None,
         deterministic: str = "off",
         accept: AcceptRule = rejection_sample,
+        prefix_cache_tokens: int = 0,
+        prefix_block_size: int = 16,
     ):
         """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
-        builds the engine with a synthetic one (then not lossless: the worker refuses it)."""
+        builds the engine with a synthetic one (then not lossless: the worker refuses it).
+        ``prefix_cache_tokens``: the prefix cache's size (engine/model/prefix_cache.py; 0: off),
+        in blocks of ``prefix_block_size`` positions."""
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
         if controller is None:
@@ -69,6 +74,7 @@ class SpecEngine:
                 f"the drafter reads the target's layers {drafter.taps}, the target runner taps "
                 f"{target.taps}: build the runner with taps=drafter.taps"
             )
+        blocks = prefix_cache_tokens // prefix_block_size
         self.scheduler = Scheduler(
             target.cache,
             target.max_len,
@@ -77,6 +83,8 @@ class SpecEngine:
             prefill_chunk_tokens,
             max_slots_per_request,
             on_release=self.guard.remove if self.guard is not None else None,
+            prefix=PrefixCache(target.cache, blocks, prefix_block_size) if blocks else None,
+            invariant=lambda s: self._invariant([s]),
         )
         self.device = target.device
         self.vocab_size = target.vocab_size
@@ -298,6 +306,7 @@ class SpecEngine:
 
     def load(self) -> EngineLoad:
         cache, sched = self.target.cache, self.scheduler
+        prefix = sched.prefix
         return EngineLoad(
             running=len(sched.running) + len(sched.prefilling),
             waiting=len(sched.waiting),
@@ -305,6 +314,9 @@ class SpecEngine:
             kv_free_slots=cache.num_free(),
             kv_slots=cache.num_slots,
             drafter_failures=self.drafter_failures,
+            prefix_queries=prefix.queries if prefix is not None else 0,
+            prefix_hits=prefix.hits if prefix is not None else 0,
+            prefix_cache_tokens=prefix.tokens if prefix is not None else 0,
         )
 
     def held_ids(self) -> list[str]:

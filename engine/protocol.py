@@ -22,11 +22,15 @@ class EngineLoad:
     kv_free_slots: int
     kv_slots: int
     drafter_failures: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache so far
+    prefix_hits: int = 0  # of them, restored from it (not computed)
+    prefix_cache_tokens: int = 0  # the prefix cache's size in positions (0: off)
 
 
 class Engine(Protocol):
     """What the worker drives (engine/engine.py's SpecEngine). ``lossless`` is false when a
-    benchmark swapped the acceptance rule; ``num_slots``: sequences that can hold a KV slot."""
+    benchmark built it with another acceptance rule; ``num_slots``: sequences that can hold a
+    KV slot."""
 
     @property
     def lossless(self) -> bool: ...

@@ -95,11 +95,14 @@ def _config(args):
         ("max_model_len", "max_model_len", int),
         ("max_running", "max_running", int),
         ("deterministic", "deterministic", str),
+        ("prefix_cache_tokens", "prefix_cache_tokens", int),
     ):
         value = _env_or(args, name)
         if value is not None:
             target = cfg.drafter if name == "k_max" else cfg
             setattr(target, field, cast(value))
+    if str(_env_or(args, "no_enable_prefix_caching")).lower() in ("true", "1", "yes"):
+        cfg.prefix_cache_tokens = 0  # vLLM's flag: every prompt computed whole
     if str(_env_or(args, "enforce_eager")).lower() in ("true", "1", "yes"):
         cfg.compile.enabled = False  # vLLM's flag: no compiled forward, ready without compiling
     try:
@@ -132,8 +135,14 @@ def cmd_serve(args) -> int:
     for warning in unknown_env():
         logging.getLogger("specd").warning(warning)
     cfg = _config(args)
-    server = assemble(build_engine(cfg), settings, engine_thread=False)
-    what = f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter {cfg.drafter.method})"
+    built = build_engine(cfg)
+    server = assemble(built, settings, engine_thread=False)
+    cache = built.engine.load().prefix_cache_tokens
+    prefix = f"prefix cache {cache} positions" if cache else "prefix cache off"
+    what = (
+        f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
+        f"{cfg.drafter.method}, {prefix})"
+    )
     try:  # the engine loop in this, the main thread; HTTP in a thread
         server.run(announce=lambda url: print(f"specd: serving {what} on {url}/v1", flush=True))
     except OSError as e:  # e.g. the port is taken
@@ -249,6 +258,19 @@ def main(argv: list[str] | None = None) -> int:
                 help="batch-invariant forwards: greedy and seeded output the same alone or in "
                 "any batch, speculation on or off, in bf16 too; 'request': for requests that "
                 'send "deterministic": true (env SPECD_DETERMINISTIC; default off)',
+            )
+            p.add_argument(
+                "--prefix-cache-tokens",
+                type=int,
+                help="positions whose K/V the prefix cache keeps, so a prompt that starts as an "
+                "earlier one did (a conversation's next turn) computes only the rest (env "
+                "SPECD_PREFIX_CACHE_TOKENS; default 16384)",
+            )
+            p.add_argument(
+                "--no-enable-prefix-caching",
+                action="store_const",
+                const=True,
+                help="compute every prompt whole (env SPECD_NO_ENABLE_PREFIX_CACHING=1)",
             )
             p.add_argument(
                 "--enforce-eager",

@@ -41,6 +41,7 @@ class ChoiceEvent:
 @dataclass
 class Tally:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt tokens, restored from the prefix cache
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -114,8 +115,12 @@ class JobRun:
         submitted = self.worker.submit(
             rid, prompt, params, job.spec, self.reservation, group=self.request_id
         )
+        first = index % job.n == 0  # a prompt's cached tokens count once, as its tokens do
         async with aclosing(submitted) as outputs:  # leaving early aborts the engine request
             async for out in outputs:
+                if first and out.seq is not None:
+                    self.tally.cached_tokens += out.seq.cached_tokens
+                first = False
                 if clock:
                     clock.tokens(len(out.new_token_ids), out.seq)
                 text, used = _text(out, detok, stops)

@@ -115,6 +115,29 @@ class Metrics:
             "Output tokens. Output tok/s: rate(specd_output_tokens_total[1m])",
         )
         self._prompt = counter("specd_prompt_tokens", "Prompt tokens of every sequence.")
+        self._prefix = {  # EngineLoad field -> its counters, specd's and vLLM's names
+            "prefix_queries": (
+                counter(
+                    "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+                ),
+                Counter(
+                    "vllm:prefix_cache_queries",
+                    "Prefix cache queries, in tokens (vLLM's name)",
+                    ["model_name"],
+                    registry=r,
+                ).labels(model),
+            ),
+            "prefix_hits": (
+                counter("specd_prefix_cache_hits", "Prompt tokens restored from the prefix cache."),
+                Counter(
+                    "vllm:prefix_cache_hits",
+                    "Prefix cache hits, in tokens (vLLM's name)",
+                    ["model_name"],
+                    registry=r,
+                ).labels(model),
+            ),
+        }
+        self._prefix_seen = {k: 0 for k in self._prefix}  # the engine's totals, as last read
         self._requests = counter(
             "specd_requests",
             "HTTP generation requests by endpoint and final status (499: the client disconnected).",
@@ -254,6 +277,13 @@ class Metrics:
         if stats.get("kv_slots"):
             for g in self._kv_gauges:
                 g.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
+        with self._failures_lock:  # the counters follow the engine's running totals
+            for field, (ours, vllms) in self._prefix.items():
+                total = stats.get(field, 0)
+                if total > self._prefix_seen[field]:
+                    for c in (ours.labels(**self._lab), vllms):
+                        c.inc(total - self._prefix_seen[field])
+                    self._prefix_seen[field] = total
         failures = stats.get("drafter_failures")
         if failures is not None:  # the engine counts; the counter follows its increase
             with self._failures_lock:

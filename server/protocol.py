@@ -167,10 +167,15 @@ class SpeculationUsage(BaseModel):
     target_passes: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     speculation: SpeculationUsage | None = None  # specd extension, ignored by OpenAI clients
 
 

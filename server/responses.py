@@ -35,6 +35,7 @@ def usage(run: JobRun) -> P.Usage:
         prompt_tokens=t.prompt_tokens,
         completion_tokens=t.completion_tokens,
         total_tokens=t.prompt_tokens + t.completion_tokens,
+        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=t.cached_tokens),
         speculation=P.SpeculationUsage(
             drafted_tokens=t.drafted, accepted_tokens=t.accepted, target_passes=t.passes
         ),

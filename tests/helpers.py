@@ -100,6 +100,7 @@ def engine_for(
     head=None,
     compile: CompileConfig | None = None,
     accept=None,
+    prefix_cache: int = 0,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -107,7 +108,8 @@ def engine_for(
     the hybrid's ``ngram_fallback``, the adaptive controller's) with the method, ``k_max`` and
     the sizes given here; no 4-bit head, no grammar compiler; eager unless ``compile`` gives the
     runners (the target's, a draft model's) a fast path. ``accept``: a wrong acceptance rule
-    (the controls of the checks that must catch one).
+    (the controls of the checks that must catch one). ``prefix_cache``: the prefix cache's
+    positions (0: off; tests/engine/test_prefix_caching.py turns it on).
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -145,6 +147,7 @@ def engine_for(
         max_prefill_per_step=max_prefill,
         prefill_chunk_tokens=chunk,
         compile=compile or CompileConfig(),
+        prefix_cache_tokens=prefix_cache,
     )
     taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
     runner = target_runner(cfg, target, taps)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
-from .data import first_turns
+from prompts.sharegpt import first_turns
 
 
 def _sampled(conv_id: str) -> bool:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
-from .data import first_exchanges
+from prompts.sharegpt import first_exchanges
 
 
 def run(args: argparse.Namespace) -> None:

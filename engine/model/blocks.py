@@ -30,15 +30,24 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 ROOT = b"root"  # the parent hash of a sequence's first block (unsalted)
 
 
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The hash of a full block of ``tokens`` after the block whose hash is ``parent``."""
-    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16, key=parent).digest()
+def block_hash(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The hash of a full block of ``tokens`` (ints, or an int64 array) after the block whose hash
+    is ``parent``."""
+    if isinstance(tokens, np.ndarray):
+        data = np.ascontiguousarray(tokens, dtype=np.int64).tobytes()
+    else:
+        data = array("q", tokens).tobytes()
+    return hashlib.blake2b(data, digest_size=16, key=parent).digest()
 
 
-def prefix_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT) -> list[bytes]:
+def prefix_hashes(
+    tokens: Sequence[int] | np.ndarray, block_size: int, parent: bytes = ROOT
+) -> list[bytes]:
     """The hashes of the full blocks of ``tokens`` (a sequence from position 0)."""
     out = []
     for i in range(0, len(tokens) - block_size + 1, block_size):

@@ -18,10 +18,14 @@ Invariants:
     is the lead; the others (``lead`` set) take no prefill seat and no chunk, and copy the lead's
     prompt KV into their slots when its prefill completes (:meth:`followers`).
 
-Seam for a paged or prefix-shared KV cache and preemption: slots are taken in :meth:`_admit` and
-returned in :meth:`finish` only; a block allocator (or prefix sharing) replaces
-``cache.allocate`` / ``cache.free`` there, and preemption is :meth:`finish` without the
-FINISHED state plus a re-queue in ``waiting``.
+  * Prefix caching (engine/model/prefix_cache.py): an admitted sequence starts on the longest
+    cached prefix of its prompt (copied into its slot, ``cached_tokens``) and prefills the rest;
+    every commit offers the sequence's newly full blocks to the cache, its answer's included.
+
+Seam for a paged KV cache and preemption: slots are taken in :meth:`_admit` and returned in
+:meth:`finish` only; a block allocator (engine/model/blocks.py) replaces ``cache.allocate`` /
+``cache.free`` there, and preemption is :meth:`finish` without the FINISHED state plus a re-queue
+in ``waiting``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.model.kv_cache import SlotKVCache
+from engine.model.prefix_cache import PrefixCache
 from engine.requests.sequence import Sequence, Status
 
 
@@ -56,7 +61,11 @@ class Scheduler:
         prefill_chunk_tokens: int = 512,
         max_slots_per_group: int | None = None,
         on_release: Callable[[Sequence], None] | None = None,
+        prefix: PrefixCache | None = None,
+        invariant: Callable[[Sequence], bool] = lambda s: False,
     ):
+        """``prefix``: the prefix cache (None: off); ``invariant``: whether a sequence's target
+        forwards are the batch-invariant ones (its cached blocks are kept apart)."""
         self.cache, self.max_len, self.eos_token_ids = cache, max_len, eos_token_ids
         self.max_prefill_per_step = max_prefill_per_step  # sequences prefilling at once
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)  # prompt tokens per step
@@ -64,6 +73,7 @@ class Scheduler:
         self.max_slots_per_group = max_slots_per_group or max(1, slots - slots // 4)
         self.max_prefill_per_group = max(1, max_prefill_per_step // 2)
         self.on_release = on_release  # called before a sequence's slot is freed (the drafter)
+        self.prefix, self.invariant = prefix, invariant
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -121,6 +131,10 @@ class Scheduler:
                 continue  # its group is at its cap: later arrivals of other groups go first
             self.waiting.remove(s)
             s.slot = self.cache.allocate()
+            # its cached prefix, unless a lead's prefill serves it or every prompt position's
+            # logits are asked for (prompt logprobs)
+            if self.prefix is not None and s.lead is None and s.params.prompt_logprobs is None:
+                s.cached_tokens = self.prefix.restore(s.slot, s.prompt_ids, self.invariant(s))
             s.status, s.admitted = Status.RUNNING, time.perf_counter()
             self.prefilling.append(s)
             held[s.group] = held.get(s.group, 0) + 1
@@ -129,7 +143,11 @@ class Scheduler:
     def prefilled(self, chunk: PrefillChunk) -> None:
         """The chunk's tokens are in the cache; a sequence whose prompt is complete leaves
         ``prefilling`` (it joins ``running`` once its first token is sampled)."""
-        self.cache.commit(chunk.seq.slot, chunk.start + len(chunk.tokens))
+        end = chunk.start + len(chunk.tokens)
+        self.cache.commit(chunk.seq.slot, end)
+        if self.prefix is not None:
+            s = chunk.seq
+            self.prefix.store(s.slot, s.prompt_ids[:end], self.invariant(s))
         if chunk.completes:
             self.prefilling.remove(chunk.seq)
 
@@ -139,7 +157,9 @@ class Scheduler:
         out = [s for s in self.prefilling if s.lead is lead]
         for s in out:
             self.cache.copy(lead.slot, s.slot, len(s.prompt_ids))
-            s.lead = None
+            if self.prefix is not None:
+                self.prefix.copy_known(lead.slot, s.slot, len(s.prompt_ids))
+            s.cached_tokens, s.lead = lead.cached_tokens, None
             self.prefilling.remove(s)
         return out
 
@@ -167,6 +187,8 @@ class Scheduler:
         s.append(out)
         if reason is None and s.num_tokens >= self.max_len:
             reason = "length"
+        if self.prefix is not None:  # its answer too, finished or not: the next turn resends it
+            self.prefix.store(s.slot, s.token_array()[: s.num_tokens - 1], self.invariant(s))
         if reason is not None:
             self.finish(s, reason)
         else:
@@ -186,6 +208,8 @@ class Scheduler:
         if s.slot >= 0:
             if self.on_release is not None:
                 self.on_release(s)
+            if self.prefix is not None:
+                self.prefix.forget(s.slot)
             self.cache.free(s.slot)
             s.slot = -1
 

@@ -77,6 +77,7 @@ class Sequence:
     # a choice whose prompt another choice of its group is prefilling: it takes a copy of that
     # prefill (KV and drafter state) when it completes instead of prefilling again
     lead: Sequence | None = field(default=None, repr=False)
+    cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed
     # with params.grammar: its llguidance matcher, standing at the committed output (grammar.py)
     matcher: Any = field(default=None, repr=False)
     # running totals, for usage and metrics

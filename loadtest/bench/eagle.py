@@ -34,7 +34,7 @@ from prompts.sets import Prompt, encode, human_eval, mt_bench
 
 
 def prompt_sets(per_category: int, humaneval: int, sharegpt: int) -> list[Prompt]:
-    from train.data import EVAL, first_turns
+    from prompts.sharegpt import EVAL, first_turns
 
     taken: dict[str, int] = defaultdict(int)
     out = []

@@ -11,8 +11,10 @@ Bookkeeping (N = the sequence's token count; the target has computed features fo
 ``[0, N - 1)`` plus the verified ones):
   * ``observe`` (after every target forward: prefill chunks, verifies) appends the features of
     the positions that forward computed, ``[start, start + count)``, to ``pending``.
-  * ``add`` (prompt prefilled) ingests positions ``[0, P - 1)`` of a prompt of P tokens
-    (``lazy``, no draft expected soon: leaves them pending, for commit to skip).
+  * ``add`` (prompt prefilled) ingests positions ``[c, P - 1)`` of a prompt of P tokens whose
+    first c came from the prefix cache (``Sequence.cached_tokens``: the target computed no
+    features for them, so the head starts after them, as if they were skipped; ``lazy``, no
+    draft expected soon: leaves them pending, for commit to skip).
   * ``propose`` first ingests every pending position p, paired with t_{p+1} (one ragged
     forward; its last output gives d_1), then drafts d_2..d_K by feeding its own output and
     the previous draft at the next position. d_K is never fed.
@@ -105,9 +107,9 @@ class EagleDrafter(DrafterBase):
         for b, (s, start, n) in enumerate(zip(seqs, starts, counts)):
             if not s.spec.enabled:
                 continue
-            if start == 0:  # a new prompt in this slot
+            if start == s.cached_tokens:  # a new prompt: its cached prefix is skipped
                 self.pending[s.slot], self.pending_n[s.slot] = [], 0
-                self.real[s.slot] = self.skipped[s.slot] = 0
+                self.real[s.slot], self.skipped[s.slot] = 0, start
             elif self.skipped[s.slot] + self.real[s.slot] + self.pending_n[s.slot] != start:
                 raise ValueError("EAGLE features out of step with the sequence")
             self.pending[s.slot].append(hidden[b, :n])
@@ -117,10 +119,10 @@ class EagleDrafter(DrafterBase):
         rows = [s for s in seqs if s.spec.enabled]
         for s in rows:
             self.cache.allocate(s.slot)
-            if self.pending_n.get(s.slot) != len(s.prompt_ids):
+            if self.pending_n.get(s.slot) != len(s.prompt_ids) - s.cached_tokens:
                 raise ValueError("EAGLE head: the prompt's features are missing")
         rows = [s for s in rows if not lazy or s.spec.k]  # lazy: pending, unless K is fixed
-        take = [len(s.prompt_ids) - 1 for s in rows]
+        take = [len(s.prompt_ids) - 1 - s.cached_tokens for s in rows]
         if any(take):
             self._ingest([s for s, n in zip(rows, take) if n], [n for n in take if n])
 

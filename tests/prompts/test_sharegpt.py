@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from train.data import EVAL, RESERVED, TRAIN, conversations, dataset_file, first_turns, split_of
+from prompts.sharegpt import (
+    EVAL,
+    RESERVED,
+    TRAIN,
+    conversations,
+    dataset_file,
+    first_turns,
+    split_of,
+)
 
 
 def _id_with_digit(digit: str) -> str:

@@ -1,0 +1,112 @@
+"""Automatic prefix caching over the slot KV cache: a conversation's next turn, which resends the
+history, computes only what is new.
+
+Full blocks of a sequence's committed positions are copied into a pool of blocks
+(:class:`~engine.model.blocks.BlockPool`), keyed by the chained hash of their tokens; a sequence
+admitted into a slot gets the longest cached prefix of its prompt copied into the slot and
+prefills only the rest. Copying a block costs a fraction of computing it (a memory copy against
+every layer's matmuls and attention over the whole context). The last prompt token is always
+computed: its logits start the output.
+
+Invariants:
+
+- A block in the pool holds exactly the K/V the target computed for its tokens after its
+  prefix: only committed positions are stored, and committed positions are never written again.
+- The hash root is salted by how the K/V were computed: blocks of batch-invariant forwards
+  (deterministic mode, engine/model/invariant.py) serve only sequences that compute that way,
+  so a hit gives them bit-identical K/V to a recompute.
+- Nothing is held between calls: every block is free (evictable, least recently used first) once
+  a call returns, so the pool never blocks admission; it only forgets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine.model.blocks import ROOT, BlockPool, block_hash, prefix_hashes
+from engine.model.kv_cache import SlotKVCache, zeros
+
+INVARIANT_ROOT = block_hash(ROOT, [-1])  # the root of blocks computed batch-invariantly
+
+
+class PrefixCache:
+    """A pool of ``num_blocks`` blocks of ``block_size`` positions beside ``cache``."""
+
+    def __init__(self, cache: SlotKVCache, num_blocks: int, block_size: int = 16):
+        self.cache, self.block_size = cache, block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        k0 = cache.k[0]  # [slots, kv_heads, max_len + 1, head_dim]
+        shape = (num_blocks, k0.shape[1], block_size, k0.shape[3])
+        # per layer: [blocks, kv_heads, block_size, head_dim]
+        self.k = [zeros(shape, k0.dtype, k0.device) for _ in cache.k]
+        self.v = [zeros(shape, k0.dtype, k0.device) for _ in cache.v]
+        self.known: dict[int, list[bytes]] = {}  # slot -> hashes of its full committed blocks
+        self.queries = self.hits = 0  # prompt tokens looked up, and restored from the pool
+
+    @property
+    def tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def restore(self, slot: int, prompt: Sequence[int], invariant: bool = False) -> int:
+        """Copy the longest cached prefix of ``prompt`` (whole blocks, leaving its last token to
+        compute) into the freshly allocated ``slot`` and commit it. Returns its length."""
+        bs = self.block_size
+        limit = (len(prompt) - 1) // bs
+        root = INVARIANT_ROOT if invariant else ROOT
+        hashes = prefix_hashes(prompt[: limit * bs], bs, root)
+        hit = self.pool.lookup(hashes)
+        self.queries += len(prompt)
+        self.known[slot] = hashes[: len(hit)]
+        if not hit:
+            return 0
+        self.pool.hold(hit)
+        self.pool.release(hit[::-1])  # used now: evicted last, its tail before its head
+        n = len(hit) * bs
+        ids = torch.tensor(hit, device=self.k[0].device)
+        for pool, slots in zip(self.k + self.v, self.cache.k + self.cache.v):
+            blocks = pool[ids]  # [hit, kv_heads, bs, head_dim]
+            slots[slot, :, :n] = blocks.transpose(0, 1).reshape(blocks.shape[1], n, -1)
+        self.cache.commit(slot, n)
+        self.hits += n
+        return n
+
+    def store(self, slot: int, tokens: Sequence[int] | np.ndarray, invariant: bool = False) -> None:
+        """``tokens`` are the first positions ``slot`` has committed: cache its full blocks that
+        are not cached yet (a block another sequence cached is only marked used)."""
+        bs, known = self.block_size, self.known.setdefault(slot, [])
+        full = len(tokens) // bs
+        if full <= len(known):
+            return
+        parent = known[-1] if known else (INVARIANT_ROOT if invariant else ROOT)
+        taken: list[tuple[int, int, bytes]] = []  # (pool block, the slot's block index, hash)
+        for i in range(len(known), full):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            known.append(parent)
+            cached = self.pool.lookup([parent])
+            if cached:
+                self.pool.hold(cached)
+                self.pool.release(cached)
+            elif len(taken) < self.pool.num_blocks:
+                taken.append((self.pool.take(1)[0], i, parent))  # held until copied
+        if not taken:
+            return
+        dev = self.k[0].device
+        ids = torch.tensor([b for b, _, _ in taken], device=dev)
+        pos = torch.tensor([i * bs + j for _, i, _ in taken for j in range(bs)], device=dev)
+        for pool, slots in zip(self.k + self.v, self.cache.k + self.cache.v):
+            rows = slots[slot][:, pos]  # [kv_heads, taken * bs, head_dim]
+            pool[ids] = rows.view(rows.shape[0], len(taken), bs, -1).transpose(0, 1)
+        for b, _, h in taken:
+            self.pool.cache(b, h)
+        self.pool.release([b for b, _, _ in taken][::-1])
+
+    def forget(self, slot: int) -> None:
+        """``slot`` was freed: what it stored stays cached."""
+        self.known.pop(slot, None)
+
+    def copy_known(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds ``src``'s first ``length`` positions (a choice sharing a prompt)."""
+        self.known[dst] = list(self.known.get(src, [])[: length // self.block_size])

@@ -1,0 +1,80 @@
+"""The prefix cache as an HTTP client sees it (the real model, fp32): a conversation's next turn,
+which resends the history, reports the history's cached tokens in
+``usage.prompt_tokens_details.cached_tokens`` on both routes, streamed and not, answers as a
+recompute does, and the hits show in /metrics under specd's and vLLM's names."""
+
+import json
+import uuid
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import MODEL, make_app
+from tests.server.helpers import scrape, total
+
+pytestmark = pytest.mark.real_model
+
+
+def opening() -> str:
+    """A first user turn no earlier request sent (its blocks are in no cache yet)."""
+    words = " ".join(uuid.uuid4().hex[:6] for _ in range(12))
+    return f"Here are some codes: {words}. Please read them carefully, then answer my question."
+
+
+def chat(c, messages, stream=False) -> tuple[str, dict]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+    if not stream:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        return d["choices"][0]["message"]["content"], d["usage"]
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                usage = ev.get("usage") or usage
+                for ch in ev.get("choices") or []:
+                    text += (ch.get("delta") or {}).get("content") or ""
+    assert usage is not None
+    return text, usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_next_turn_is_served_from_the_cache(live, built, stream):
+    with TestClient(make_app(built, live.worker)) as c:
+        first = [{"role": "user", "content": opening()}]
+        answer, u1 = chat(c, first, stream)
+        bs = built.config.prefix_block_size
+        # at most the chat template's opening (its system prompt), which every chat shares
+        assert u1["prompt_tokens_details"]["cached_tokens"] < u1["prompt_tokens"] // 2
+        second = first + [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Which code came first?"},
+        ]
+        text, u2 = chat(c, second, stream)
+        cached = u2["prompt_tokens_details"]["cached_tokens"]
+        # every full block of the first turn's prompt, not the new turn
+        assert (u1["prompt_tokens"] - 1) // bs * bs <= cached < u2["prompt_tokens"]
+        assert cached % bs == 0
+        # the same turn once more, its every block cached: the same greedy answer
+        again, u3 = chat(c, second, stream)
+        assert again == text and u3["prompt_tokens_details"]["cached_tokens"] >= cached
+        m = scrape(c.get("/metrics").text)
+        hits = total(m, "vllm:prefix_cache_hits_total")
+        assert hits >= cached + u3["prompt_tokens_details"]["cached_tokens"]
+        assert total(m, "specd_prefix_cache_hits_total") == hits
+        looked_up = sum(u["prompt_tokens"] for u in (u1, u2, u3))
+        assert total(m, "vllm:prefix_cache_queries_total") >= looked_up
+
+
+def test_completions_report_cached_prompt_tokens(live, built):
+    prompt = opening() + " The first code is"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    with TestClient(make_app(built, live.worker)) as c:
+        u1 = c.post("/v1/completions", json=body).json()["usage"]
+        u2 = c.post("/v1/completions", json=body).json()["usage"]
+    assert u1["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < u2["prompt_tokens_details"]["cached_tokens"] < u2["prompt_tokens"]
