@@ -1,7 +1,7 @@
 """Self-distillation: regenerate the assistant turns of ShareGPT prompts with the target itself,
 through specd's own batched engine, so the drafter learns the model it will serve.
 
-Each prompt is the first human turn of a conversation (train/data.py), in the target's chat
+Each prompt is the first human turn of a conversation (prompts/sharegpt.py), in the target's chat
 template; half the conversations (by id) are answered greedily, half sampled at temperature
 ``temperature``. Results are appended to ``<out>/<split>.jsonl`` one line per conversation as it
 finishes, so a run can stop at any time and resume (conversations already written are skipped);

@@ -13,9 +13,11 @@ Runs, each server alone (the others stopped: they would share the cores):
 
 Servers: ``specd`` (the config as given: prefix cache on), ``specd-nocache``
 (``--no-enable-prefix-caching``) and, with ``--llama-server PATH``, llama.cpp's native server on
-the config's GGUF (2 threads, ``-c 8192``, its prompt cache on: its default). Reported per
-server and run: the median TTFT of each turn, output tok/s (completion tokens over the run's
-wall time), and specd's prompt and cached tokens per turn (its usage).
+the config's GGUF (2 threads, 8 slots of 8,192 tokens, its prompt cache on: its default).
+Reported per server and run: the median TTFT of each turn, output tok/s (completion tokens over
+the run's wall time), and specd's prompt and cached tokens per turn (its usage). A first run of
+the conversations' first turns alone (one at a time and at once) prices the cache where it
+cannot hit: specd against specd-nocache.
 
     loadtest/envs/build_llama_server.sh     # prints the binary's path
     python -m loadtest.bench.multiturn --llama-server PATH
@@ -110,13 +112,21 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
     done = time.perf_counter() - t0
     tokens = (usage or {}).get("completion_tokens") or chunks
     details = (usage or {}).get("prompt_tokens_details") or {}
+    spec = (usage or {}).get("speculation") or {}  # specd's: drafted and accepted tokens
     return {
+        "drafted": spec.get("drafted_tokens", 0),
+        "accepted": spec.get("accepted_tokens", 0),
         "ttft_s": ttft if ttft is not None else done,
         "s": done,
         "completion_tokens": tokens,
         "prompt_tokens": (usage or {}).get("prompt_tokens"),
         "cached_tokens": details.get("cached_tokens"),
     }
+
+
+def chunks(items: list, k: int) -> list[list]:
+    """``items`` dealt into ``k`` lists."""
+    return [items[i::k] for i in range(k)]
 
 
 def replay(base: str, model: str, history, pairs, max_tokens: int) -> list[dict]:
@@ -148,6 +158,10 @@ def measure(base: str, model: str, convs, concurrency: int, max_tokens: int) -> 
         "prompt_tokens_by_turn": [med(x["prompt_tokens"] or 0 for x in ts) for ts in by_turn],
         "cached_tokens_by_turn": [med(x["cached_tokens"] or 0 for x in ts) for ts in by_turn],
         "output_tok_s": sum(x["completion_tokens"] for r in runs for x in r) / wall,
+        # drafted tokens accepted, by turn (specd): a cache hit must not cost acceptance
+        "acceptance_by_turn": [
+            sum(x["accepted"] for x in ts) / max(1, sum(x["drafted"] for x in ts)) for ts in by_turn
+        ],
         "wall_s": wall,
     }
 
@@ -161,10 +175,11 @@ def server(name: str, args, out: Path):
         argv += ["--max-model-len", str(args.max_model_len)]
         env = {"HF_HUB_OFFLINE": "1", "SPECD_LOG_LEVEL": "warning"}
         with spawn(argv, ready_path="/ready", name=name, env=env, log=out / f"{name}.log") as s:
-            yield s.url, "specd"
+            yield s.url, EngineConfig.from_yaml(args.config).model.name
         return
     gguf = resolve_source(EngineConfig.from_yaml(args.config).model.source).location
-    argv = [args.llama_server, "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "8192", "-np", "8"]
+    # -c is shared by the slots: 8 slots of SmolLM2's whole context
+    argv = [args.llama_server, "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "65536", "-np", "8"]
     argv += ["--host", HOST, "--port", "0"]
     with spawn(argv, ready_path="/health", name=name, log=out / f"{name}.log") as s:
         yield s.url, "smollm2"
@@ -186,29 +201,40 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    convs = [([], pairs) for pairs in dialogues(a.conversations, a.turns)]
-    filler = dialogues(60, 1, skip=a.conversations + a.long, max_chars=4000)
+    # every run its own conversations: one never hits another's prefixes
+    n, t = a.conversations, a.turns
+    alone = [([], pairs) for pairs in dialogues(n, t)]
+    together = [([], pairs) for pairs in dialogues(n, t, skip=n)]
     long = [
-        grown(pairs, filler[i :: a.long], a.long_tokens)
-        for i, pairs in enumerate(dialogues(a.long, a.turns, skip=a.conversations, max_chars=6000))
+        grown(pairs, filler, a.long_tokens)
+        for pairs, filler in zip(
+            dialogues(a.long, t, skip=2 * n, max_chars=6000),
+            chunks(dialogues(30 * a.long, 1, skip=2 * n + a.long, max_chars=4000), a.long),
+        )
     ]
+    firsts = [([], p[:1]) for p in dialogues(2 * n, 1, skip=2 * n + 31 * a.long)]
     names = [n for n in a.servers.split(",") if n != "llama-server" or a.llama_server]
     results: dict = {"args": vars(a), "servers": {}}
     for name in names:
         with server(name, a, out) as (base, model):
-            replay(base, model, [], convs[0][1][:1], 8)  # warm
+            warm = [([], p) for p in dialogues(2, 1, skip=2 * n + 31 * a.long + 2 * n)]
+            measure(base, model, warm, 1, 8)  # first requests after start-up
             runs = [
-                measure(base, model, convs, 1, a.max_tokens),
-                measure(base, model, convs, a.concurrency, a.max_tokens),
+                measure(base, model, alone, 1, a.max_tokens),
+                measure(base, model, together, a.concurrency, a.max_tokens),
                 measure(base, model, long, 1, a.max_tokens),
+                measure(base, model, firsts[:n], 1, a.max_tokens),
+                measure(base, model, firsts[n:], a.concurrency, a.max_tokens),
             ]
         results["servers"][name] = runs
-        for r, label in zip(runs, ("one at a time", f"{a.concurrency} at once", "long")):
+        labels = ("one at a time", f"{a.concurrency} at once", "long", "first turns", "first x8")
+        for r, label in zip(runs, labels):
             ttft = ", ".join(f"{t:.0f}" for t in r["ttft_ms_by_turn"])
             print(
                 f"{name:14s} {label:14s} TTFT by turn (ms) {ttft}; "
                 f"{r['output_tok_s']:.1f} tok/s; prompt tokens {r['prompt_tokens_by_turn']}, "
-                f"cached {r['cached_tokens_by_turn']}",
+                f"cached {r['cached_tokens_by_turn']}; acceptance by turn "
+                f"{[round(x, 3) for x in r['acceptance_by_turn']]}",
                 flush=True,
             )
         (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -219,7 +245,7 @@ def main(argv=None) -> int:
 def ratios(servers: dict) -> None:
     """The targets' ratios, from this run: TTFT at the last turn over the first, and the long
     conversations' last-turn TTFT and the first turns' tok/s against the other servers."""
-    for name, (one, many, _) in servers.items():
+    for name, (one, many, *_) in servers.items():
         t = one["ttft_ms_by_turn"]
         print(
             f"{name}: TTFT last turn / first turn {t[-1] / t[0]:.2f}x (one at a time), "
@@ -231,9 +257,11 @@ def ratios(servers: dict) -> None:
         a, b = servers["specd"], servers[other]
         print(
             f"specd / {other}: long conversation, last-turn TTFT "
-            f"{a[2]['ttft_ms_by_turn'][-1] / b[2]['ttft_ms_by_turn'][-1]:.2f}x; output tok/s "
-            f"{a[0]['output_tok_s'] / b[0]['output_tok_s']:.2f}x (one at a time), "
-            f"{a[1]['output_tok_s'] / b[1]['output_tok_s']:.2f}x (at once)"
+            f"{a[2]['ttft_ms_by_turn'][-1] / b[2]['ttft_ms_by_turn'][-1]:.2f}x; conversations' "
+            f"output tok/s {a[0]['output_tok_s'] / b[0]['output_tok_s']:.2f}x (one at a time), "
+            f"{a[1]['output_tok_s'] / b[1]['output_tok_s']:.2f}x (at once); first turns' tok/s "
+            f"{a[3]['output_tok_s'] / b[3]['output_tok_s']:.2f}x (one at a time), "
+            f"{a[4]['output_tok_s'] / b[4]['output_tok_s']:.2f}x (at once)"
         )
 
 

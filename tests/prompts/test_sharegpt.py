@@ -1,5 +1,5 @@
-"""The ShareGPT split (train/data.py): by the first hex digit of sha256(id), ``f`` reserved and
-never returned, ``e`` evaluation, the rest training; the reader of the cut file."""
+"""The ShareGPT split (prompts/sharegpt.py): by the first hex digit of sha256(id), ``f`` reserved
+and never returned, ``e`` evaluation, the rest training; the reader of the cut file."""
 
 import hashlib
 import json

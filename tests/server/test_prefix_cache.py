@@ -6,6 +6,7 @@ recompute does, and the hits show in /metrics under specd's and vLLM's names."""
 import json
 import uuid
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -78,3 +79,29 @@ def test_completions_report_cached_prompt_tokens(live, built):
         u2 = c.post("/v1/completions", json=body).json()["usage"]
     assert u1["prompt_tokens_details"]["cached_tokens"] == 0
     assert 0 < u2["prompt_tokens_details"]["cached_tokens"] < u2["prompt_tokens"]
+
+
+def test_the_default_config_serves_a_6000_token_conversation(live_default):
+    """configs/default.yaml holds SmolLM2's own context: a conversation of ~6,000 tokens is
+    answered, and its next turn computes only the new turn (the history from the cache)."""
+    tok = live_default.tokenizer
+    text = opening()
+    while len(tok(text)["input_ids"]) < 6000:
+        text += " " + opening()
+    history = [
+        {"role": "user", "content": text},
+        {"role": "assistant", "content": "I have read them all."},
+    ]
+    with httpx.Client(base_url=live_default.base_url, timeout=600) as c:
+        answer, u1 = chat_over(c, history + [{"role": "user", "content": "How many codes?"}])
+        assert u1["prompt_tokens"] >= 6000
+        turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+        _, u2 = chat_over(c, history + [{"role": "user", "content": "How many codes?"}] + turn)
+    assert u2["prompt_tokens_details"]["cached_tokens"] >= u1["prompt_tokens"] - 32
+
+
+def chat_over(c: httpx.Client, messages) -> tuple[str, dict]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+    r = c.post("/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
