@@ -156,6 +156,20 @@ def engine_for(
     return make_engine(cfg, runner, d, list(eos), controller=controller, **rule)
 
 
+def fed_prompt_tokens(engine) -> list[int]:
+    """Prompt tokens the target is fed from now on (prefill chunks come as host lists)."""
+    fed: list[int] = []
+    real = engine.target.forward
+
+    def forward(tokens, slots, counts=None, logits="last", invariant=False):
+        if isinstance(tokens, list):
+            fed.extend(len(t) for t in tokens)
+        return real(tokens, slots, counts, logits, invariant)
+
+    engine.target.forward = forward
+    return fed
+
+
 def assert_speculated(runs, can_reject: bool = True, min_drafted: int = 1) -> tuple[int, int]:
     """Speculation really ran: ``runs`` (sequences, or ``(drafted, accepted)`` pairs, e.g. from
     an HTTP response's ``usage.speculation``) drafted at least ``min_drafted`` tokens in all, and

@@ -49,11 +49,21 @@ def prefix_hashes(
     tokens: Sequence[int] | np.ndarray, block_size: int, parent: bytes = ROOT
 ) -> list[bytes]:
     """The hashes of the full blocks of ``tokens`` (a sequence from position 0)."""
-    out = []
-    for i in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[i : i + block_size])
-        out.append(parent)
-    return out
+    return extend_hashes([], tokens, block_size, parent)
+
+
+def extend_hashes(
+    known: list[bytes], tokens: Sequence[int] | np.ndarray, block_size: int, root: bytes = ROOT
+) -> list[bytes]:
+    """Append to ``known`` (the hashes of the first full blocks of ``tokens``, chained from
+    ``root``) those of the full blocks after them; returns the ones appended."""
+    parent = known[-1] if known else root
+    new = []
+    for i in range(len(known), len(tokens) // block_size):
+        parent = block_hash(parent, tokens[i * block_size : (i + 1) * block_size])
+        new.append(parent)
+    known += new
+    return new
 
 
 class PoolExhaustedError(RuntimeError):
@@ -137,6 +147,15 @@ class BlockPool:
         b.hash = h
         self._cached[h] = i
 
+    def cached_prefix(
+        self, prompt: Sequence[int], root: bytes = ROOT
+    ) -> tuple[list[bytes], list[int]]:
+        """The hashes of ``prompt``'s full blocks that leave its last token to compute (its
+        logits start the output), and the blocks of the longest cached run of them."""
+        bs = self.block_size
+        hashes = prefix_hashes(prompt[: (len(prompt) - 1) // bs * bs], bs, root)
+        return hashes, self.lookup(hashes)
+
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The blocks of the longest run of ``hashes`` from the first that are cached (not held
         yet: :meth:`hold` them)."""
@@ -184,9 +203,7 @@ class BlockTables:
         t = self.tables[key] = Table()
         if not self.caching:
             return 0
-        limit = (len(prompt) - 1) // self.block_size  # full blocks that leave a token to compute
-        hashes = prefix_hashes(prompt[: limit * self.block_size], self.block_size)
-        hit = self.pool.lookup(hashes)
+        hashes, hit = self.pool.cached_prefix(prompt)
         self.pool.hold(hit)
         t.blocks, t.hashes, t.length = list(hit), hashes[: len(hit)], len(hit) * self.block_size
         self.queries += len(prompt)
@@ -225,12 +242,9 @@ class BlockTables:
         t.length = len(tokens)
         if not self.caching:
             return
-        bs, full = self.block_size, len(tokens) // self.block_size
-        parent = t.hashes[-1] if t.hashes else ROOT
-        for i in range(len(t.hashes), full):
-            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
-            t.hashes.append(parent)
-            self.pool.cache(t.blocks[i], parent)
+        first = len(t.hashes)
+        for i, h in enumerate(extend_hashes(t.hashes, tokens, self.block_size), first):
+            self.pool.cache(t.blocks[i], h)
 
     def rollback(self, key: int, length: int) -> None:
         """Forget positions ``>= length`` of ``key`` (written by a forward, not kept). Blocks stay

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.model.blocks import ROOT, BlockPool, block_hash, prefix_hashes
+from engine.model.blocks import ROOT, BlockPool, block_hash, extend_hashes
 from engine.model.kv_cache import SlotKVCache, zeros
 
 INVARIANT_ROOT = block_hash(ROOT, [-1])  # the root of blocks computed batch-invariantly
@@ -54,10 +54,7 @@ class PrefixCache:
         """Copy the longest cached prefix of ``prompt`` (whole blocks, leaving its last token to
         compute) into the freshly allocated ``slot`` and commit it. Returns its length."""
         bs = self.block_size
-        limit = (len(prompt) - 1) // bs
-        root = INVARIANT_ROOT if invariant else ROOT
-        hashes = prefix_hashes(prompt[: limit * bs], bs, root)
-        hit = self.pool.lookup(hashes)
+        hashes, hit = self.pool.cached_prefix(prompt, INVARIANT_ROOT if invariant else ROOT)
         self.queries += len(prompt)
         self.known[slot] = hashes[: len(hit)]
         if not hit:
@@ -77,14 +74,10 @@ class PrefixCache:
         """``tokens`` are the first positions ``slot`` has committed: cache its full blocks that
         are not cached yet (a block another sequence cached is only marked used)."""
         bs, known = self.block_size, self.known.setdefault(slot, [])
-        full = len(tokens) // bs
-        if full <= len(known):
-            return
-        parent = known[-1] if known else (INVARIANT_ROOT if invariant else ROOT)
+        first = len(known)
+        new = extend_hashes(known, tokens, bs, INVARIANT_ROOT if invariant else ROOT)
         taken: list[tuple[int, int, bytes]] = []  # (pool block, the slot's block index, hash)
-        for i in range(len(known), full):
-            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
-            known.append(parent)
+        for i, parent in enumerate(new, first):
             cached = self.pool.lookup([parent])
             if cached:
                 self.pool.hold(cached)

@@ -48,6 +48,8 @@ N_POWER = 16000
 MAX_TOKENS = 6  # round 1 drafts up to K = 4 (its cap: max_tokens - 1 after the prefill's token)
 K = 4
 SLOTS = 1024
+# the engine of every run: a slot per request, every prompt prefilled in one step
+SIZES = dict(slots=SLOTS, chunk=10**6, max_len=16, max_prefill=SLOTS)
 # the n-gram drafter finds drafts here (3 7 ... repeats) and the target often agrees with them
 PROMPT = [3, 7, 3, 3, 7]
 
@@ -141,16 +143,7 @@ def misreported_q(engine, monkeypatch, used=0.8, sampled=1.0):
 def sample(models, drafter, temperature, top_k, top_p, n=N, accept=None, wrong=None, **kw):
     """``n`` seeded requests of PROMPT through a fresh engine at K; returns (engine, sequences).
     ``accept``: a wrong acceptance rule; ``wrong``: a function (engine) that breaks the engine."""
-    engine = engine_for(
-        models,
-        drafter,
-        slots=SLOTS,
-        chunk=10**6,
-        max_len=16,
-        max_prefill=SLOTS,
-        accept=accept,
-        **kw,
-    )
+    engine = engine_for(models, drafter, **SIZES, accept=accept, **kw)
     if wrong is not None:
         wrong(engine)
     params = [
@@ -251,10 +244,7 @@ def test_adaptive_k_matches_target_distribution(models, joint, monkeypatch, draf
     engine = engine_for(
         models,
         drafter,
-        slots=SLOTS,
-        chunk=10**6,
-        max_len=16,
-        max_prefill=SLOTS,
+        **SIZES,
         controller=AdaptiveK(4, cost=SyntheticCost()),
     )
     params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -329,9 +319,7 @@ def test_eos_at_temperature_ends_outputs_there_with_the_target_lengths(models, d
     enumeration). With the target drafting for itself EOS is drafted, accepted, and the accepted
     drafts after it are cut; with the draft model drafts are also rejected, EOS among them."""
     max_tokens = 6
-    engine = engine_for(
-        models, drafter, slots=SLOTS, chunk=10**6, max_len=16, max_prefill=SLOTS, eos=[EOS]
-    )
+    engine = engine_for(models, drafter, **SIZES, eos=[EOS])
     params = [
         SamplingParams(temperature=0.9, top_k=3, max_tokens=max_tokens, seed=i) for i in range(N)
     ]

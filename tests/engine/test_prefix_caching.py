@@ -13,26 +13,12 @@ import torch
 from engine.requests.sequence import SpecParams
 from engine.round.sampling import SamplingParams
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, echo_head
-from tests.helpers import assert_speculated, engine_for, tiny_llama
+from tests.helpers import assert_speculated, engine_for, fed_prompt_tokens, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 BS = 16
-
-
-def fed_prompt_tokens(engine) -> list[int]:
-    """Prompt tokens the target is fed from now on (prefill chunks come as host lists)."""
-    fed: list[int] = []
-    real = engine.target.forward
-
-    def forward(tokens, slots, counts=None, logits="last", invariant=False):
-        if isinstance(tokens, list):
-            fed.extend(len(t) for t in tokens)
-        return real(tokens, slots, counts, logits, invariant)
-
-    engine.target.forward = forward
-    return fed
 
 
 def user_turn(turn: int, n: int = 21, vocab: int = 60) -> list[int]:

@@ -5,7 +5,7 @@ import pytest
 
 from engine.requests.sequence import SpecParams, Status
 from engine.round.sampling import SamplingParams
-from tests.helpers import engine_for
+from tests.helpers import engine_for, fed_prompt_tokens
 
 
 def test_a_request_with_many_choices_leaves_room_for_others(models):
@@ -70,20 +70,6 @@ def test_abort_frees_slots_in_every_state(models):
     assert e.drafter.cache.used_tokens() == 0
 
 
-def prefill_tokens(engine) -> list[int]:
-    """Counts the prompt tokens the target is fed (prefill chunks come as host lists)."""
-    fed: list[int] = []
-    real = engine.target.forward
-
-    def forward(tokens, slots, counts=None, logits="last", invariant=False):
-        if isinstance(tokens, list):
-            fed.extend(len(t) for t in tokens)
-        return real(tokens, slots, counts, logits, invariant)
-
-    engine.target.forward = forward
-    return fed
-
-
 def run(engine, prompt, params, group, n, spec=None):
     seqs = [
         engine.add_request(f"{group}-{i}", prompt, p, spec, group) for i, p in enumerate(params)
@@ -101,7 +87,7 @@ def test_choices_of_one_prompt_share_one_prefill(models, drafter):
         SamplingParams(temperature=1, max_tokens=8, ignore_eos=True, seed=i) for i in range(4)
     ]
     e = engine_for(models, drafter, slots=8, chunk=5)
-    fed = prefill_tokens(e)
+    fed = fed_prompt_tokens(e)
     shared = run(e, prompt, greedy, "g", 4, SpecParams(k=3)) + run(
         e, prompt, seeded, "s", 4, SpecParams(k=3)
     )
@@ -116,7 +102,7 @@ def test_choices_of_one_prompt_share_one_prefill(models, drafter):
 
 def test_followers_of_an_aborted_lead_prefill_themselves(models):
     e = engine_for(models, "model", slots=8, chunk=4)
-    fed = prefill_tokens(e)
+    fed = fed_prompt_tokens(e)
     p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompt = list(range(1, 12))
     seqs = [e.add_request(f"c-{i}", prompt, p, SpecParams(k=2), "g") for i in range(3)]
