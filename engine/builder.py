@@ -235,6 +235,8 @@ def make_engine(
         accept,
         cfg.prefix_cache_tokens,
         cfg.prefix_block_size,
+        cfg.kv_cache_tokens,
+        cfg.bulk_slots,
     )
 
 

@@ -76,11 +76,18 @@ class EngineConfig:
     # KV slots the choices of one request may hold at once (None: 3/4 of max_running), so a
     # request with many choices leaves room for others (engine/requests/scheduler.py)
     max_slots_per_request: int | None = None
+    # slots a request of more than 2 sequences holds while a request of 1 or 2 has a sequence in
+    # the engine (its rows past it preempted, recomputed later): chat requests first where a
+    # round's cost grows with its rows (CPU); None: no such cap
+    bulk_slots: int | None = None
     prefill_chunk_tokens: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
     # automatic prefix caching (engine/model/prefix_cache.py): the K/V of this many positions
     # kept for prompts that start the same (a conversation's next turn); 0: off
     prefix_cache_tokens: int = 16384
     prefix_block_size: int = 16  # positions a cached block holds
+    # KV positions the running sequences may hold in all (engine/requests/scheduler.py: past it
+    # the latest admitted is preempted and recomputed later); None: max_running x max_model_len
+    kv_cache_tokens: int | None = None
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
@@ -91,6 +98,11 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.deterministic, bool):  # YAML reads a bare off / on as a boolean
             self.deterministic = "always" if self.deterministic else "off"
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens: raise it or lower max_model_len"
+            )
         if self.deterministic not in DETERMINISTIC_MODES:
             raise ValueError(
                 f"deterministic must be one of {', '.join(DETERMINISTIC_MODES)}, "

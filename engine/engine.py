@@ -57,11 +57,16 @@ class SpecEngine:
         accept: AcceptRule = rejection_sample,
         prefix_cache_tokens: int = 0,
         prefix_block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        bulk_slots: int | None = None,
     ):
         """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
         builds the engine with a synthetic one (then not lossless: the worker refuses it).
         ``prefix_cache_tokens``: the prefix cache's size (engine/model/prefix_cache.py; 0: off),
-        in blocks of ``prefix_block_size`` positions."""
+        in blocks of ``prefix_block_size`` positions. ``kv_cache_tokens``: the KV positions the
+        running sequences may hold in all (None: every slot its ``max_len``); at least one
+        sequence's ``max_len``. ``bulk_slots``: the slots a request of many sequences holds
+        while a smaller one is in the engine (scheduler.py; None: no such cap)."""
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
         if controller is None:
@@ -75,6 +80,11 @@ class SpecEngine:
                 f"{target.taps}: build the runner with taps=drafter.taps"
             )
         blocks = prefix_cache_tokens // prefix_block_size
+        if kv_cache_tokens is not None and kv_cache_tokens < target.max_len:
+            raise ValueError(
+                f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of the context's "
+                f"{target.max_len} tokens: raise it or lower max_model_len"
+            )
         self.scheduler = Scheduler(
             target.cache,
             target.max_len,
@@ -85,6 +95,9 @@ class SpecEngine:
             on_release=self.guard.remove if self.guard is not None else None,
             prefix=PrefixCache(target.cache, blocks, prefix_block_size) if blocks else None,
             invariant=lambda s: self._invariant([s]),
+            kv_budget=kv_cache_tokens,
+            lookahead=self.k_max + 1,  # a verify writes K + 1 positions
+            bulk_slots=bulk_slots,
         )
         self.device = target.device
         self.vocab_size = target.vocab_size
@@ -177,13 +190,15 @@ class SpecEngine:
     def step(self) -> list[StepOutput]:
         sched = self.scheduler
         self._calibrate_once()
+        sched.make_room()  # the running sequences' next verifies fit the KV budget
         new, last_logits, outputs = self._prefill(sched.schedule_prefill())
         if new:
             firsts = self.speculator.first_tokens(new, torch.cat(last_logits))
             outputs = firsts + outputs
         for out in outputs:  # a sequence's first output carries its prompt's scores
             assert out.seq is not None
-            out.prompt_logprobs = out.seq.prompt_logprobs
+            if not out.seq.resumed:  # a recomputed one sent them before its preemption
+                out.prompt_logprobs = out.seq.prompt_logprobs
         sched.start_running(new)
         if sched.running:
             outputs += self.speculator.round(sched.running, self._invariant(sched.running))
@@ -317,6 +332,8 @@ class SpecEngine:
             prefix_queries=prefix.queries if prefix is not None else 0,
             prefix_hits=prefix.hits if prefix is not None else 0,
             prefix_cache_tokens=prefix.tokens if prefix is not None else 0,
+            kv_budget_tokens=sched.kv_budget,
+            preemptions=sched.preemptions,
         )
 
     def held_ids(self) -> list[str]:

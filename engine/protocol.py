@@ -25,6 +25,8 @@ class EngineLoad:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache so far
     prefix_hits: int = 0  # of them, restored from it (not computed)
     prefix_cache_tokens: int = 0  # the prefix cache's size in positions (0: off)
+    kv_budget_tokens: int = 0  # the KV positions running sequences may hold in all
+    preemptions: int = 0  # sequences preempted (KV freed, recomputed later) so far
 
 
 class Engine(Protocol):

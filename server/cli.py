@@ -96,6 +96,7 @@ def _config(args):
         ("max_running", "max_running", int),
         ("deterministic", "deterministic", str),
         ("prefix_cache_tokens", "prefix_cache_tokens", int),
+        ("kv_cache_tokens", "kv_cache_tokens", int),
     ):
         value = _env_or(args, name)
         if value is not None:
@@ -137,11 +138,12 @@ def cmd_serve(args) -> int:
     cfg = _config(args)
     built = build_engine(cfg)
     server = assemble(built, settings, engine_thread=False)
-    cache = built.engine.load().prefix_cache_tokens
+    load = built.engine.load()
+    cache = load.prefix_cache_tokens
     prefix = f"prefix cache {cache} positions" if cache else "prefix cache off"
     what = (
         f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
-        f"{cfg.drafter.method}, {prefix})"
+        f"{cfg.drafter.method}, KV {load.kv_budget_tokens} positions, {prefix})"
     )
     try:  # the engine loop in this, the main thread; HTTP in a thread
         server.run(announce=lambda url: print(f"specd: serving {what} on {url}/v1", flush=True))
@@ -265,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                 help="positions whose K/V the prefix cache keeps, so a prompt that starts as an "
                 "earlier one did (a conversation's next turn) computes only the rest (env "
                 "SPECD_PREFIX_CACHE_TOKENS; default 16384)",
+            )
+            p.add_argument(
+                "--kv-cache-tokens",
+                type=int,
+                help="KV positions the running sequences may hold in all; past it the latest "
+                "admitted is preempted and recomputed later (env SPECD_KV_CACHE_TOKENS; default: "
+                "max_running x max_model_len)",
             )
             p.add_argument(
                 "--no-enable-prefix-caching",

@@ -33,7 +33,9 @@ Serving:
   specd_time_to_first_token_seconds   histogram, from the HTTP request to a sequence's first token
   specd_request_latency_seconds       histogram, from the HTTP request to a sequence's last token
   specd_queue_time_seconds            histogram, from the engine taking a sequence to its KV slot
-  specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges
+  specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges (the
+      last: positions the running sequences hold over the KV budget, kv_cache_tokens)
+  specd_preemptions_total   sequences preempted (KV freed, recomputed later; vllm:num_preemptions)
       also under vLLM's names, label model_name (the gateway's endpoint picker reads those):
       vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)
 Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queueing).
@@ -136,6 +138,15 @@ class Metrics:
                     registry=r,
                 ).labels(model),
             ),
+            "preemptions": (
+                counter("specd_preemptions", "Sequences preempted: KV freed, recomputed later."),
+                Counter(
+                    "vllm:num_preemptions",
+                    "Cumulative number of preemptions (vLLM's name)",
+                    ["model_name"],
+                    registry=r,
+                ).labels(model),
+            ),
         }
         self._prefix_seen = {k: 0 for k in self._prefix}  # the engine's totals, as last read
         self._requests = counter(
@@ -200,7 +211,10 @@ class Metrics:
             "specd_waiting_sequences", "Sequences waiting for a KV slot.", names, registry=r
         ).labels(**lab)
         self._kv = Gauge(
-            "specd_kv_cache_usage_ratio", "Share of the KV cache slots in use.", names, registry=r
+            "specd_kv_cache_usage_ratio",
+            "Share of the KV budget the running sequences hold.",
+            names,
+            registry=r,
         ).labels(**lab)
         self._path = Gauge(
             "specd_forward_path",
@@ -274,9 +288,9 @@ class Metrics:
         for field, gauges in self._gauges.items():
             for g in gauges:
                 g.set(stats.get(field, 0))
-        if stats.get("kv_slots"):
+        if stats.get("kv_budget_tokens"):  # positions held over the budget, as vLLM's blocks
             for g in self._kv_gauges:
-                g.set(1.0 - stats["kv_free_slots"] / stats["kv_slots"])
+                g.set(min(1.0, stats.get("kv_used_tokens", 0) / stats["kv_budget_tokens"]))
         with self._failures_lock:  # the counters follow the engine's running totals
             for field, (ours, vllms) in self._prefix.items():
                 total = stats.get(field, 0)

@@ -101,6 +101,8 @@ def engine_for(
     compile: CompileConfig | None = None,
     accept=None,
     prefix_cache: int = 0,
+    kv_budget: int | None = None,
+    bulk_slots: int | None = None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -109,7 +111,9 @@ def engine_for(
     the sizes given here; no 4-bit head, no grammar compiler; eager unless ``compile`` gives the
     runners (the target's, a draft model's) a fast path. ``accept``: a wrong acceptance rule
     (the controls of the checks that must catch one). ``prefix_cache``: the prefix cache's
-    positions (0: off; tests/engine/test_prefix_caching.py turns it on).
+    positions (0: off; tests/engine/test_prefix_caching.py turns it on); ``kv_budget``: the KV
+    positions the running sequences may hold (None: every slot its ``max_len``); ``bulk_slots``:
+    what a request of many sequences holds beside a smaller one (None: no cap).
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -148,6 +152,8 @@ def engine_for(
         prefill_chunk_tokens=chunk,
         compile=compile or CompileConfig(),
         prefix_cache_tokens=prefix_cache,
+        kv_cache_tokens=kv_budget,
+        bulk_slots=bulk_slots,
     )
     taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
     runner = target_runner(cfg, target, taps)

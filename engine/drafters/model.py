@@ -57,7 +57,7 @@ class ModelDrafter(DrafterBase):
         group: list[Sequence] = []
         for s in (s for s in seqs if s.spec.enabled):
             self.cache.allocate(s.slot)
-            widest = max([len(g.prompt_ids) for g in group] + [len(s.prompt_ids)])
+            widest = max([len(g.prefill_ids) for g in group] + [len(s.prefill_ids)])
             if group and widest * (len(group) + 1) > ADD_TOKENS:
                 self._prefill(group)
                 group = []
@@ -66,9 +66,9 @@ class ModelDrafter(DrafterBase):
             self._prefill(group)
 
     def _prefill(self, seqs: list[Sequence]) -> None:
-        self.runner.forward([s.prompt_ids for s in seqs], [s.slot for s in seqs])
+        self.runner.forward([s.prefill_ids for s in seqs], [s.slot for s in seqs])
         for s in seqs:
-            self.cache.commit(s.slot, len(s.prompt_ids))
+            self.cache.commit(s.slot, len(s.prefill_ids))
 
     def remove(self, seq: Sequence) -> None:
         self.cache.free(seq.slot)

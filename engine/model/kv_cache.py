@@ -17,13 +17,20 @@ The committed lengths live on the host as Python ints: they are bookkeeping, nev
 
 Memory: on CPU the cache is allocated zeroed by ``calloc`` (through numpy), whose large blocks are
 fresh pages the kernel maps on first write, so resident memory grows with the tokens actually
-cached, not with the ``slots x max_len`` reserved.
+cached, not with the ``slots x max_len`` reserved; a freed slot's pages go back to the kernel
+(:func:`release`: on Linux they read as zeros after, resident again only when written). The OS's
+page table is the block table: each (layer, slot, KV head) is a contiguous run of positions, so
+attention reads keys as a view, no gather, and memory follows the tokens held (the scheduler
+bounds them: ``kv_cache_tokens``). On CUDA the slots are allocated whole.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
+import mmap
+import sys
 
 import torch
 
@@ -46,6 +53,32 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     finally:
         _set_madvise_hugepage(before)
     return torch.from_numpy(buf).view(dtype).view(shape)
+
+
+MADV_DONTNEED = 4  # Linux: the pages are dropped; a private anonymous mapping reads zeros after
+_libc: list = []  # ctypes' libc, loaded on first use
+
+
+def release(t: torch.Tensor) -> None:
+    """Give ``t``'s memory (a contiguous CPU tensor) back to the kernel on Linux: the pages lying
+    wholly inside it are dropped (they read as zeros and are resident again only where written),
+    the parts of pages at its ends are written with zeros. Elsewhere a no-op: what a freed slot
+    holds is finite and never read before it is written again, as a rolled-back position's."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return
+    if not _libc:
+        _libc.append(ctypes.CDLL(None, use_errno=True))
+    size, start = t.element_size(), t.data_ptr()
+    end = start + t.numel() * size
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    flat = t.view(-1)
+    if last <= first or _libc[0].madvise(
+        ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED
+    ):
+        flat.zero_()  # smaller than a page, or refused: written
+        return
+    flat[: (first - start) // size].zero_()
+    flat[(last - start) // size :].zero_()
 
 
 class CacheFullError(RuntimeError):
@@ -99,8 +132,11 @@ class SlotKVCache:
         return slot
 
     def free(self, slot: int) -> None:
+        """Hand the slot back; on Linux CPU its pages go back to the kernel (:func:`release`)."""
         if slot in self._free:
             return
+        for t in self.k + self.v:
+            release(t[slot])  # [kv_heads, max_len + 1, head_dim], contiguous
         self.lengths[slot] = 0
         self._free.append(slot)
         self._free.sort(reverse=True)

@@ -66,10 +66,10 @@ def run_chunks(
     ``[1, vocab]`` by ``id(chunk)``. Commits nothing: the scheduler commits each chunk.
     ``solo``: every chunk alone (deterministic mode); a scored chunk always is."""
     last: dict[int, torch.Tensor] = {}
-    alone = lambda c: solo or c.seq.params.prompt_logprobs is not None  # noqa: E731
+    alone = lambda c: solo or c.seq.scores_prompt  # noqa: E731
     for group in prefill_groups(chunks, cap, alone):
         seqs = [c.seq for c in group]
-        scores = seqs[0].params.prompt_logprobs is not None  # then a group of one
+        scores = seqs[0].scores_prompt  # then a group of one
         logits, tapped = target.forward(
             [c.tokens for c in group],
             [s.slot for s in seqs],

@@ -12,6 +12,13 @@ Invariants:
     ``max_slots_per_group`` slots and ``max_prefill_per_group`` prefill seats at once, so a
     request with many choices never takes the whole engine; a sequence past its group's cap
     waits while later arrivals of other groups are admitted.
+  * Interactive first: a group of more than ``BULK`` sequences (a request with many choices or
+    prompts) holds at most ``bulk_slots`` slots while a smaller group (a chat request) has a
+    sequence in the engine; :meth:`make_room` preempts its rows past that, highest slots first,
+    before the smaller group's are admitted (into the lowest free slots). On CPU a round costs
+    with its rows, and a compiled forward with its highest slot (rows are slots: compiled.py):
+    beside a dozen rows of a big request, a chat request's tokens came ~10x slower than alone.
+    The preempted rows are recomputed from the prefix cache once the chat requests are gone.
   * Chunked prefill: at most ``prefill_chunk_tokens`` prompt tokens per step, so a long prompt
     never stalls the running streams for more than one chunk's forward.
   * Shared prefill: choices of one group with the same prompt prefill once. The first admitted
@@ -21,11 +28,15 @@ Invariants:
   * Prefix caching (engine/model/prefix_cache.py): an admitted sequence starts on the longest
     cached prefix of its prompt (copied into its slot, ``cached_tokens``) and prefills the rest;
     every commit offers the sequence's newly full blocks to the cache, its answer's included.
-
-Seam for a paged KV cache and preemption: slots are taken in :meth:`_admit` and returned in
-:meth:`finish` only; a block allocator (engine/model/blocks.py) replaces ``cache.allocate`` /
-``cache.free`` there, and preemption is :meth:`finish` without the FINISHED state plus a re-queue
-in ``waiting``.
+  * KV budget: the sequences holding slots hold at most ``kv_budget`` positions between them
+    (a prefilling sequence its whole prefill, a running one its tokens plus ``lookahead``, what
+    its next verify may write). Slots bound how many run at once; the budget bounds the memory
+    they hold (on CPU the slot cache's pages are resident only where written and given back
+    when a slot is freed: engine/model/kv_cache.py). Admission waits for room in arrival
+    order; when running sequences outgrow the budget, :meth:`make_room` preempts the latest
+    admitted (it loses its KV and is queued first again, its prompt and output recomputed
+    later, mostly from the prefix cache: ``Sequence.preempt``). A request never needs more
+    than the budget: the engine's context is capped so.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ from engine.model.kv_cache import SlotKVCache
 from engine.model.prefix_cache import PrefixCache
 from engine.requests.sequence import Sequence, Status
 
+BULK = 2  # a group of more sequences than this is a bulk request (it yields to smaller ones)
+
 
 @dataclass
 class PrefillChunk:
@@ -48,7 +61,7 @@ class PrefillChunk:
 
     @property
     def completes(self) -> bool:
-        return self.start + len(self.tokens) == len(self.seq.prompt_ids)
+        return self.start + len(self.tokens) == len(self.seq.prefill_ids)
 
 
 class Scheduler:
@@ -63,9 +76,16 @@ class Scheduler:
         on_release: Callable[[Sequence], None] | None = None,
         prefix: PrefixCache | None = None,
         invariant: Callable[[Sequence], bool] = lambda s: False,
+        kv_budget: int | None = None,
+        lookahead: int = 1,
+        bulk_slots: int | None = None,
     ):
         """``prefix``: the prefix cache (None: off); ``invariant``: whether a sequence's target
-        forwards are the batch-invariant ones (its cached blocks are kept apart)."""
+        forwards are the batch-invariant ones (its cached blocks are kept apart);
+        ``kv_budget``: the positions the slot holders may hold in all (None: every slot its
+        ``max_len``); ``lookahead``: positions past its tokens a running sequence's next
+        verify may write (K_max); ``bulk_slots``: the slots a group of more than ``BULK``
+        sequences holds while a smaller group has a sequence in the engine (None: no such cap)."""
         self.cache, self.max_len, self.eos_token_ids = cache, max_len, eos_token_ids
         self.max_prefill_per_step = max_prefill_per_step  # sequences prefilling at once
         self.prefill_chunk_tokens = max(1, prefill_chunk_tokens)  # prompt tokens per step
@@ -74,6 +94,10 @@ class Scheduler:
         self.max_prefill_per_group = max(1, max_prefill_per_step // 2)
         self.on_release = on_release  # called before a sequence's slot is freed (the drafter)
         self.prefix, self.invariant = prefix, invariant
+        self.kv_budget = kv_budget if kv_budget is not None else slots * max_len
+        self.lookahead = lookahead
+        self.bulk_slots = bulk_slots
+        self.preemptions = 0  # so far
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -95,12 +119,23 @@ class Scheduler:
             if s.lead is not None:  # it copies its lead's prefill (:meth:`followers`)
                 continue
             start = self.cache.lengths[s.slot]
-            chunk = s.prompt_ids[start : start + budget]
+            chunk = s.prefill_ids[start : start + budget]
             chunks.append(PrefillChunk(s, start, chunk))
             budget -= len(chunk)
         return chunks
 
+    def _caps(self) -> dict[str, int]:
+        """The slots each group in the engine may hold now (see Interactive first)."""
+        sizes: dict[str, int] = {}
+        for s in (*self.waiting, *self.prefilling, *self.running):
+            sizes[s.group] = sizes.get(s.group, 0) + 1
+        cap, bulk = self.max_slots_per_group, self.bulk_slots
+        if bulk is None or all(n > BULK for n in sizes.values()):
+            return dict.fromkeys(sizes, cap)
+        return {g: min(bulk, cap) if n > BULK else cap for g, n in sizes.items()}
+
     def _admit(self) -> None:
+        caps = self._caps()
         held: dict[str, int] = {}
         seats: dict[str, int] = {}
         for s in self.running:
@@ -117,24 +152,27 @@ class Scheduler:
                 (
                     p
                     for p in self.prefilling
-                    if p.group == s.group and p.lead is None and p.prompt_ids == s.prompt_ids
+                    if p.group == s.group and p.lead is None and p.prefill_ids == s.prefill_ids
                 ),
                 None,
             )
             prefilling = sum(p.lead is None for p in self.prefilling)  # followers feed nothing
             if s.lead is None and prefilling >= self.max_prefill_per_step:
                 return
-            if held.get(s.group, 0) >= self.max_slots_per_group or (
+            if held.get(s.group, 0) >= caps[s.group] or (
                 s.lead is None and seats.get(s.group, 0) >= self.max_prefill_per_group
             ):
                 s.lead = None
                 continue  # its group is at its cap: later arrivals of other groups go first
+            if self.room() < len(s.prefill_ids) + self.lookahead:
+                s.lead = None
+                return  # in arrival order: a long prompt is not overtaken for ever
             self.waiting.remove(s)
             s.slot = self.cache.allocate()
             # its cached prefix, unless a lead's prefill serves it or every prompt position's
-            # logits are asked for (prompt logprobs)
-            if self.prefix is not None and s.lead is None and s.params.prompt_logprobs is None:
-                s.cached_tokens = self.prefix.restore(s.slot, s.prompt_ids, self.invariant(s))
+            # logits are asked for (prompt logprobs, not yet sent)
+            if self.prefix is not None and s.lead is None and not s.scores_prompt:
+                s.cached_tokens = self.prefix.restore(s.slot, s.prefill_ids, self.invariant(s))
             s.status, s.admitted = Status.RUNNING, time.perf_counter()
             self.prefilling.append(s)
             held[s.group] = held.get(s.group, 0) + 1
@@ -147,7 +185,7 @@ class Scheduler:
         self.cache.commit(chunk.seq.slot, end)
         if self.prefix is not None:
             s = chunk.seq
-            self.prefix.store(s.slot, s.prompt_ids[:end], self.invariant(s))
+            self.prefix.store(s.slot, s.prefill_ids[:end], self.invariant(s))
         if chunk.completes:
             self.prefilling.remove(chunk.seq)
 
@@ -156,9 +194,9 @@ class Scheduler:
         ``prefilling`` with ``lead``'s prompt committed to their own slots."""
         out = [s for s in self.prefilling if s.lead is lead]
         for s in out:
-            self.cache.copy(lead.slot, s.slot, len(s.prompt_ids))
+            self.cache.copy(lead.slot, s.slot, len(s.prefill_ids))
             if self.prefix is not None:
-                self.prefix.copy_known(lead.slot, s.slot, len(s.prompt_ids))
+                self.prefix.copy_known(lead.slot, s.slot, len(s.prefill_ids))
             s.cached_tokens, s.lead = lead.cached_tokens, None
             self.prefilling.remove(s)
         return out
@@ -201,6 +239,51 @@ class Scheduler:
 
     def finish(self, s: Sequence, reason: str) -> None:
         s.status, s.finish_reason = Status.FINISHED, reason
+        self._release(s)
+
+    # -- the KV budget ------------------------------------------------------------------------
+    def held(self) -> int:
+        """Positions the slot holders count against the budget: a prefilling sequence its
+        whole prefill, a running one its tokens plus what its next verify may write."""
+        growing = sum(min(s.num_tokens + self.lookahead, self.max_len) for s in self.running)
+        return growing + sum(len(s.prefill_ids) for s in self.prefilling)
+
+    def room(self) -> int:
+        """Positions of the budget no slot holder counts."""
+        return self.kv_budget - self.held()
+
+    def make_room(self) -> list[Sequence]:
+        """Before admission and the round: preempt a bulk group's rows past its cap while a
+        smaller group is in the engine (highest slots first: the smaller group's rows take the
+        lowest free ones), then, while the slot holders outgrow the budget, the latest admitted
+        (never the last one: a sequence alone always fits). Returns the preempted."""
+        out: list[Sequence] = []
+        caps = self._caps()
+        holders = sorted((*self.running, *self.prefilling), key=lambda s: s.slot)
+        held: dict[str, int] = {}
+        for s in holders:  # lowest slots first: a group keeps its lowest
+            held[s.group] = held.get(s.group, 0) + 1
+            if held[s.group] > caps[s.group]:
+                self.preempt(s)
+                out.append(s)
+        while self.room() < 0 and len(self.running) + len(self.prefilling) > 1:
+            victim = max((*self.running, *self.prefilling), key=lambda s: s.admitted or 0.0)
+            self.preempt(victim)
+            out.append(victim)
+        return out
+
+    def preempt(self, s: Sequence) -> None:
+        """``s`` gives its slot back and is queued first, to be recomputed (its committed blocks
+        are in the prefix cache already, when it is on)."""
+        self.running = [r for r in self.running if r is not s]
+        self.prefilling = [p for p in self.prefilling if p is not s]
+        self._release(s)
+        s.preempt()
+        self.waiting.appendleft(s)
+        self.preemptions += 1
+
+    def _release(self, s: Sequence) -> None:
+        """Free ``s``'s slot (and its drafter state); a lead's followers get a new lead."""
         heir = None  # a lead that ends early: its first follower leads the others
         for f in self.prefilling:
             if f.lead is s:

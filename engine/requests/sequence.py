@@ -6,6 +6,10 @@ Invariants of a :class:`Sequence`:
   * ``slot`` is the KV-cache slot the sequence holds while prefilling or running, -1 otherwise.
   * ``group`` names the client request the sequence belongs to (choices of one request share
     it): the scheduler caps what one group holds at once, so other requests keep flowing.
+  * ``prefill_ids`` are the tokens a prefill feeds: the prompt, or, after a preemption (the
+    sequence lost its KV and was queued again), the prompt and the output so far, recomputed as
+    if they were the prompt; the next token is then sampled from the last one's logits, as a
+    new sequence's first token is.
 """
 
 from __future__ import annotations
@@ -77,7 +81,9 @@ class Sequence:
     # a choice whose prompt another choice of its group is prefilling: it takes a copy of that
     # prefill (KV and drafter state) when it completes instead of prefilling again
     lead: Sequence | None = field(default=None, repr=False)
-    cached_tokens: int = 0  # prompt positions restored from the prefix cache, not computed
+    cached_tokens: int = 0  # prefill positions restored from the prefix cache, not computed
+    prefill_ids: list[int] = field(default_factory=list)  # set from the prompt (see above)
+    preemptions: int = 0  # times the sequence lost its KV and was recomputed
     # with params.grammar: its llguidance matcher, standing at the committed output (grammar.py)
     matcher: Any = field(default=None, repr=False)
     # running totals, for usage and metrics
@@ -93,6 +99,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.group = self.group or self.request_id
+        self.prefill_ids = self.prefill_ids or self.prompt_ids
         n = len(self.prompt_ids) + len(self.output_ids)
         self._buf = np.empty(max(16, 2 * n), dtype=np.int64)
         self._buf[: len(self.prompt_ids)] = self.prompt_ids
@@ -115,6 +122,26 @@ class Sequence:
         view = self._buf[: self._len]
         view.flags.writeable = False
         return view
+
+    def preempt(self) -> None:
+        """Its KV is gone (the scheduler freed its slot): its next prefill recomputes the prompt
+        and the output so far."""
+        self.prefill_ids = self.prompt_ids + self.output_ids
+        if not self.output_ids:  # preempted in its first prefill: that starts over, scores too
+            self.prompt_logprobs = None
+        self.status, self.slot, self.cached_tokens, self.lead = Status.WAITING, -1, 0, None
+        self.preemptions += 1
+
+    @property
+    def resumed(self) -> bool:
+        """Whether its prefill recomputes output too (preempted after its first token: its
+        prompt logprobs, if asked for, were already sent)."""
+        return len(self.prefill_ids) > len(self.prompt_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill computes prompt logprobs (asked for, and not yet sent)."""
+        return self.params.prompt_logprobs is not None and not self.resumed
 
     @property
     def tokens(self) -> list[int]:

@@ -20,3 +20,9 @@ def test_unknown_values_and_keys_are_refused():
         EngineConfig.from_dict({"deterministic": "sometimes"})
     with pytest.raises(ValueError, match="unknown engine config keys"):
         EngineConfig.from_dict({"determinstic": "always"})
+
+
+def test_a_kv_budget_below_one_context_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_tokens=4096 cannot hold one sequence"):
+        EngineConfig(max_model_len=8192, kv_cache_tokens=4096)
+    assert EngineConfig(max_model_len=8192, kv_cache_tokens=8192).kv_cache_tokens == 8192

@@ -308,6 +308,40 @@ def test_compiled_path_matches_target_distribution(models, joint, mode):
     assert_fits(outputs(seqs), joint(0.8, 5, 0.9), "compiled")
 
 
+# a prompt of one full cached block (16 positions) and PROMPT after it
+CACHED_PROMPT = [1, 2, 5, 4, 0, 6, 3, 2, 2, 7, 1, 5, 4, 4, 0, 6] + PROMPT
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_and_preemptions_match_target_distribution(models):
+    """Every request's prompt starts with a block the prefix cache holds (restored, not
+    computed), and a KV budget below what the requests hold preempts some mid-decode (recomputed
+    from the cache, the next token sampled from the recompute's logits): the same test."""
+    joint = exact_joint(models[0], CACHED_PROMPT, MAX_TOKENS, 0.8, 0, 0.9)
+    held = len(CACHED_PROMPT) + MAX_TOKENS + 9  # what a sequence may hold: prompt, output, K+1
+    engine = engine_for(
+        models,
+        "model",
+        slots=SLOTS,
+        chunk=10**6,
+        max_len=32,
+        max_prefill=SLOTS,
+        prefix_cache=64,
+        kv_budget=held * 300,  # about 300 of the 1,024 slots' worth
+    )
+    engine.generate([CACHED_PROMPT], SamplingParams(temperature=0, max_tokens=1))  # fills it
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=i, ignore_eos=True)
+        for i in range(N)
+    ]
+    seqs = engine.generate([CACHED_PROMPT] * N, params, SpecParams(k=K))
+    assert all(s.cached_tokens == 16 for s in seqs if not s.preemptions)
+    assert engine.load().preemptions > 0 and any(s.cached_tokens for s in seqs if s.preemptions)
+    assert_speculated(seqs, min_drafted=N)
+    assert_fits(outputs(seqs), joint, "prefix cache hits and preemptions")
+    assert engine.target.cache.used_tokens() == 0 and engine.scheduler.room() == held * 300
+
+
 EOS = 6  # emitted often after PROMPT: outputs end at lengths 1..6 or run to max_tokens
 
 

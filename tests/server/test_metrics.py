@@ -276,13 +276,16 @@ def test_vllm_named_gauges_carry_the_same_values():
     from server.metrics import Metrics
 
     metrics = Metrics("m", "ngram")
-    metrics.set_gauges({"running": 3, "waiting": 5, "kv_free_slots": 12, "kv_slots": 16})
+    stats = {"running": 3, "waiting": 5, "kv_used_tokens": 1024, "kv_budget_tokens": 4096}
+    metrics.set_gauges({**stats, "preemptions": 2})
     m = scrape(generate_latest(metrics.registry).decode())
     assert total(m, "vllm:num_requests_waiting", model_name="m") == 5
     assert total(m, "vllm:num_requests_running", model_name="m") == 3
     assert total(m, "vllm:kv_cache_usage_perc", model_name="m") == 0.25
     assert total(m, "specd_waiting_sequences") == 5
     assert total(m, "specd_kv_cache_usage_ratio") == 0.25
+    assert total(m, "vllm:num_preemptions_total", model_name="m") == 2
+    assert total(m, "specd_preemptions_total") == 2
 
 
 def test_forward_path_gauge_shows_the_path_taken_and_a_fallback():

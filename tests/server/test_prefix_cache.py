@@ -98,6 +98,9 @@ def test_the_default_config_serves_a_6000_token_conversation(live_default):
         turn = [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
         _, u2 = chat_over(c, history + [{"role": "user", "content": "How many codes?"}] + turn)
     assert u2["prompt_tokens_details"]["cached_tokens"] >= u1["prompt_tokens"] - 32
+    root = str(live_default.base_url).removesuffix("/v1")
+    ready = httpx.get(f"{root}/ready", timeout=30).json()  # the KV budget the config set
+    assert ready["kv_budget_tokens"] == 65536 and ready["preemptions"] >= 0
 
 
 def chat_over(c: httpx.Client, messages) -> tuple[str, dict]:

@@ -119,10 +119,10 @@ class EagleDrafter(DrafterBase):
         rows = [s for s in seqs if s.spec.enabled]
         for s in rows:
             self.cache.allocate(s.slot)
-            if self.pending_n.get(s.slot) != len(s.prompt_ids) - s.cached_tokens:
+            if self.pending_n.get(s.slot) != len(s.prefill_ids) - s.cached_tokens:
                 raise ValueError("EAGLE head: the prompt's features are missing")
         rows = [s for s in rows if not lazy or s.spec.k]  # lazy: pending, unless K is fixed
-        take = [len(s.prompt_ids) - 1 - s.cached_tokens for s in rows]
+        take = [len(s.prefill_ids) - 1 - s.cached_tokens for s in rows]
         if any(take):
             self._ingest([s for s, n in zip(rows, take) if n], [n for n in take if n])
 

@@ -29,6 +29,42 @@ def test_a_request_with_many_choices_leaves_room_for_others(models):
     assert e.target.cache.used_tokens() == 0
 
 
+def test_a_chat_request_beside_a_bulk_one_runs_in_the_lowest_slots(models):
+    """With ``bulk_slots`` = 1, a one-sequence request arriving beside a 24-choice request
+    preempts the big one's rows but its lowest, takes the next slot, and its rounds are two rows
+    wide; the preempted rows resume after it and every choice decodes as plain greedy does."""
+    e = engine_for(models, "ngram", slots=8, prefix_cache=256, bulk_slots=1)
+    plain = engine_for(models[0], None, slots=8)
+    big = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [[1, 2, 3, 4 + i % 5] * 5 for i in range(24)]
+    seqs = [
+        e.add_request(f"big-{i}", p, big, SpecParams(k=2), group="big")
+        for i, p in enumerate(prompts)
+    ]
+    for _ in range(4):
+        e.step()
+    assert len(e.running) == e.scheduler.max_slots_per_group
+    small = e.add_request("small", [9, 8, 7], SamplingParams(temperature=0, max_tokens=6))
+    widths = []
+    while small.status is not Status.FINISHED:
+        e.step()
+        if small.status is not Status.FINISHED:
+            assert small.slot == 1  # the big request keeps slot 0 only
+            widths.append(len(e.running))
+    assert widths and max(widths) == 2
+    assert e.load().preemptions >= e.scheduler.max_slots_per_group - 1
+    while e.has_work():
+        e.step()
+    want = plain.generate(prompts, big)
+    assert [s.output_ids for s in seqs] == [w.output_ids for w in want]
+    assert (
+        small.output_ids
+        == plain.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=6))[0].output_ids
+    )
+    assert any(s.preemptions and s.cached_tokens for s in seqs)  # resumed from the cache
+    assert e.target.cache.used_tokens() == 0 and e.target.cache.num_free() == 8
+
+
 def test_a_lone_request_still_uses_its_share_of_the_slots(models):
     e = engine_for(models, "ngram", slots=8)
     for i in range(8):
