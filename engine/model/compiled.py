@@ -45,7 +45,7 @@ from engine.model.group_graphs import GroupGraphs
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
+    from engine.model.runner import ModelRunner, Tree
 
 log = logging.getLogger("specd.fast_forward")
 
@@ -138,11 +138,18 @@ class FastForward:
 
     # -- one forward ----------------------------------------------------------------------------
     def run(
-        self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int]
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        tree: Tree | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens;
-        returns their final-normed hidden states ``[batch, q, hidden]`` and tapped inputs
-        ``[batch, q, taps * hidden]``, or None when the shape is outside the buckets."""
+        """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens
+        (``tree``: draft trees, runner.Tree; the graphs take its mask as they take the causal
+        one; not under CUDA graphs); returns their final-normed hidden states
+        ``[batch, q, hidden]`` and tapped inputs ``[batch, q, taps * hidden]``, or None when
+        the shape is outside the buckets."""
         runner, dev = self.runner, self.runner.device
         q = ids.shape[1]
         shape = self.bucket_shape(max(slots) + 1, q)
@@ -156,10 +163,38 @@ class FastForward:
         slot_t = to_device(slots, torch.long, dev)  # [batch]
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
-        kv_len = max(st + n for st, n in zip(starts, counts))
-        h, tapped = self._call(ids_b, pos, write_pos, self._kv_len(kv_len))
+        kv_len = self._kv_len(max(st + n for st, n in zip(starts, counts)))
+        mask = None
+        if tree is not None:
+            if self.full_kv:  # CUDA graphs record the causal mask: trees run eagerly there
+                return None
+            pos, mask = self._tree_rows(tree, slot_t, row_start, nb, qb, q, kv_len)
+        h, tapped = self._call(ids_b, pos, write_pos, kv_len, mask)
         # the rows of this forward's slots
         return h[slot_t, :q], (tapped[slot_t, :q] if tapped is not None else None)
+
+    def _tree_rows(
+        self,
+        tree: Tree,
+        slot_t: torch.Tensor,
+        row_start: list[int],
+        nb: int,
+        qb: int,
+        q: int,
+        kv_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' tree laid out over slots ``[0, nb)`` and ``qb`` queries (padding rows and
+        queries see only themselves): positions ``[nb, qb]`` and the mask."""
+        from engine.model.runner import Tree, tree_mask  # the runner imports this module
+
+        dev = self.runner.device
+        depth = torch.zeros(nb, qb, dtype=torch.long, device=dev)
+        depth[slot_t, :q] = tree.depth
+        visible = torch.eye(qb, dtype=torch.bool, device=dev).repeat(nb, 1, 1)  # [nb, qb, qb]
+        visible[slot_t, :q, :q] = tree.visible
+        start_t = to_device(row_start, torch.long, dev)
+        padded = Tree(depth, visible)
+        return start_t[:, None] + depth, tree_mask(padded, start_t, kv_len)
 
     def _kv_len(self, kv_len: int) -> int:
         cache = self.runner.cache
@@ -169,7 +204,12 @@ class FastForward:
         return min(max(a, -(-kv_len // a) * a), cache.max_len + 1)
 
     def _call(
-        self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_len: int,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and the
         host tensors pos, write_pos ``[nb, qb]``, keys read up to ``kv_len``; returns
@@ -188,6 +228,7 @@ class FastForward:
             0,
             self.graphs,
             self.cfg.layers_per_graph,
+            mask=mask,
         )
 
     # -- start-up -------------------------------------------------------------------------------

@@ -81,10 +81,17 @@ class GraphForward(FastForward):
         self.groups = GuardedGroups(cfg.backend) if cfg.fuse else None
 
     def _call(
-        self, ids: torch.Tensor, pos: torch.Tensor, write_pos: torch.Tensor, kv_len: int
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_len: int,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`FastForward._call` (``kv_len`` a key-length bucket): fill the bucket's
-        static inputs, replay its graph (captured on first use), return its static outputs."""
+        static inputs, replay its graph (captured on first use), return its static outputs.
+        The graphs record the causal mask: a tree's (``mask``) never comes here (run())."""
+        assert mask is None, "trees verify eagerly under CUDA graphs"
         nb, qb = ids.shape
         key = (nb, qb, kv_len)
         g = self.captured.get(key)

@@ -163,6 +163,15 @@ class SlotKVCache:
             t[dst, :, :length] = t[src, :, :length]
         self.lengths[dst] = length
 
+    def move(self, slot_t: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In every layer, row b's columns ``src[b]`` are copied to ``dst[b]`` (an accepted path
+        of a draft tree, whose nodes were written where the tree put them, laid out as a chain:
+        engine/round/tree.py). slot_t ``[batch]``; src, dst ``[batch, n]`` long on the device
+        (padding: the scratch column both); all columns are read before any is written."""
+        rows = slot_t[:, None]  # [batch, 1]
+        for t in self.k + self.v:
+            t[rows, :, dst] = t[rows, :, src]  # [batch, n, kv_heads, head_dim]
+
     def rollback(self, slot: int, length: int) -> None:
         """Forget every position >= ``length`` (they stay in memory but are never read again)."""
         if length > self.lengths[slot]:

@@ -53,6 +53,26 @@ class Forward(NamedTuple):
     tapped: torch.Tensor | None
 
 
+class Tree(NamedTuple):
+    """A verify of draft trees (engine/round/tree.py): row b's query j is fed at position
+    ``start_b + depth[b, j]`` and written to column ``start_b + j``, and sees the committed
+    prefix and the queries ``visible[b, j]`` of its own row (its ancestors and itself)."""
+
+    depth: torch.Tensor  # [batch, q] long on the device: 0 for the root (query 0)
+    visible: torch.Tensor  # [batch, q, q] bool on the device; padding queries see themselves
+
+
+def tree_mask(tree: Tree, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """``[batch, 1, q, kv_len]`` bool: query j of row b sees key column c when c is in the
+    committed prefix (c < start_b) or holds a query of the row that j sees."""
+    q = tree.depth.shape[1]
+    rel = torch.arange(kv_len, device=starts.device)[None, :] - starts[:, None]  # [batch, kv_len]
+    in_tree = (rel >= 0) & (rel < q)
+    cols = rel.clamp(0, q - 1)[:, None, :].expand(-1, q, -1)  # [batch, q, kv_len]
+    sees = tree.visible.gather(2, cols) & in_tree[:, None, :]
+    return (sees | (rel < 0)[:, None, :]).unsqueeze(1)
+
+
 class Hidden(NamedTuple):
     """:meth:`ModelRunner.hidden`'s result (drafter training)."""
 
@@ -177,6 +197,7 @@ class ModelRunner:
         counts: list[int] | None = None,
         logits: str = "last",
         invariant: bool = False,
+        tree: Tree | None = None,
     ) -> Forward:
         """Feed each row's new tokens to slot ``slots[b]`` at its committed length.
 
@@ -188,14 +209,17 @@ class ModelRunner:
 
         Small forwards (decode steps, verifies, draft steps) go through the fast path when the
         runner has one (:mod:`engine.model.compiled`); prefill chunks run eagerly.
-        ``invariant``: the batch-invariant forward (:mod:`engine.model.invariant`)."""
+        ``invariant``: the batch-invariant forward (:mod:`engine.model.invariant`); ``tree``:
+        the rows' tokens are draft trees (:class:`Tree`; not with ``invariant``)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
         ids, counts = self._ids(tokens, counts)
         if invariant:
+            if tree is not None:
+                raise ValueError("the batch-invariant forward verifies chains, not trees")
             starts = self._starts(slots)
             return Forward(*batch_invariant.forward(self, ids, slots, starts, counts, logits))
-        h, tapped = self._stack(ids, slots, counts)  # [batch, q, hidden]
+        h, tapped = self._stack(ids, slots, counts, tree)  # [batch, q, hidden]
         if logits == "last":
             B, dev = len(slots), self.device
             last = to_device([n - 1 for n in counts], torch.long, dev)
@@ -229,7 +253,7 @@ class ModelRunner:
         return [self.cache.lengths[s] for s in slots]
 
     def _stack(
-        self, ids: torch.Tensor, slots: list[int], counts: list[int]
+        self, ids: torch.Tensor, slots: list[int], counts: list[int], tree: Tree | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack, through the fast path when it takes the shape: final-normed hidden
         states ``[batch, q, hidden]`` and the tapped inputs."""
@@ -239,16 +263,22 @@ class ModelRunner:
             raise ValueError("forward past the cache's max_len")
         if self._fast is not None and not self._eager_only:
             try:  # None when the shape is outside the buckets
-                out = self._fast.run(ids, slots, starts, counts)
+                out = self._fast.run(ids, slots, starts, counts, tree)
                 if out is not None:
                     return out
             except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
                 self._drop_fast(e)  # the eager forward below rewrites every position it wrote
         with varying_shape_attention(self.device):  # shapes vary: no per-shape cuDNN plans
-            return self._eager_rows(ids, slots, starts, counts, kv_len)
+            return self._eager_rows(ids, slots, starts, counts, kv_len, tree)
 
     def _eager_rows(
-        self, ids: torch.Tensor, slots: list[int], starts: list[int], counts: list[int], kv_len: int
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        kv_len: int,
+        tree: Tree | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager stack over rows in ``slots``. Keys are read as a view of consecutive slots:
         rows that are not consecutive run inside the span of slots they cover, each slot of the
@@ -256,19 +286,25 @@ class ModelRunner:
         written to the scratch column, their output dropped), as the fast path runs slots
         ``[0, bucket)``. Gathering the rows' keys instead copies every row's cache in every layer,
         a large share of a decode step at large batches (docs/measurements.md). Spans over twice
-        the batch gather."""
+        the batch gather, and so do trees."""
         cache, dev, B = self.cache, self.device, len(slots)
         first, span = min(slots), max(slots) - min(slots) + 1
         consecutive = slots == list(range(first, first + B))
-        if consecutive or span > 2 * B:
+        if consecutive or span > 2 * B or tree is not None:
             pos, write_pos = cache.positions(starts, counts, ids.shape[1])
+            pos_t, mask = to_device(pos, None, dev), None
+            if tree is not None:
+                start_t = to_device(starts, torch.long, dev)
+                pos_t = start_t[:, None] + tree.depth
+                mask = tree_mask(tree, start_t, kv_len)
             return self.layers_forward(
                 ids,
-                to_device(pos, None, dev),
+                pos_t,
                 to_device(write_pos, None, dev),
                 to_device(slots, torch.long, dev),
                 torch.arange(kv_len, device=dev),
                 first if consecutive else None,
+                mask=mask,
             )
         rows = [s - first for s in slots]  # each row's index in the span
         span_ids = ids.new_zeros(span, ids.shape[1])  # [span, q]
@@ -315,6 +351,7 @@ class ModelRunner:
         first_slot: int | None,
         group_fn: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
         group_size: int | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over the slot cache.
 
@@ -322,7 +359,9 @@ class ModelRunner:
         are read up to kv_len. ``first_slot``: rows are the consecutive slots from there (keys
         are read as a view), or None (keys gathered by slot_t). ``group_fn``: the compiled
         :func:`~engine.model.layer.layer_group` over groups of ``group_size`` layers
-        (engine/model/compiled.py); default: the whole stack as one eager group. Returns the
+        (engine/model/compiled.py); default: the whole stack as one eager group. ``mask``
+        ``[batch, 1, q, kv_len]`` bool: which keys each query sees (a tree's, :func:`tree_mask`);
+        default: by position, ``kv_pos <= pos``. Returns the
         final-normed hidden states ``[batch, q, hidden]`` and the inputs of the layers in
         ``taps`` ``[batch, q, len(taps) * hidden]`` (None without taps); K/V of every query token
         written in place."""
@@ -330,7 +369,8 @@ class ModelRunner:
         h = self.embed(ids)  # [batch, q, hidden]
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
-        mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [batch, 1, q, kv_len]
+        if mask is None:  # [batch, 1, q, kv_len]
+            mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)
         # the grouped attention's mask, eager: built once, not once a layer (a compiled graph
         # groups it inside, where it is fused)
         if group_fn is None and groups_queries(self.shape, h):

@@ -1,0 +1,132 @@
+"""Draft trees: the exact acceptance rule over a tree of drafted tokens, and its attention mask.
+
+A row's tree (terms as in rejection.py, for a chain):
+  root       the row's last committed token; the verify feeds it first (query 0).
+  node i     a drafted token (0 <= i < n), fed as query i + 1; ``parents[i]`` is its parent
+             node, -1 for the root's children. Parents come before their children (parents[i] <
+             i), and a node's children, in index order, are the *candidates* tried at it.
+  path       the accepted nodes from the root down; a round emits them and one more token.
+
+Verify: every node attends to the committed prefix, the root and its own ancestors
+(:func:`ancestors`), at position ``start + depth`` (:func:`depths`), so query i + 1 computes the
+target's distribution after the path to node i; ``target_probs[:, i + 1]`` is it, and
+``target_probs[:, 0]`` the root's.
+
+Rule, one node at a time from the root (greedy: walk to the child whose token is the target's
+argmax; none: emit the argmax). Sampled (multi-candidate recursive rejection sampling, SpecInfer,
+Miao et al. 2024; without replacement as in Yang et al. 2024, "Multi-candidate speculative
+decoding"): at a node with target distribution p and draft distribution q, whose candidates
+x_1, x_2, ... were drawn from q *without replacement*, try them in order with
+
+    q_i = q with x_1 .. x_{i-1} removed, renormalised
+    accept x_i with probability min(1, p_{i-1}(x_i) / q_i(x_i)), p_0 = p
+    else p_i = norm(max(p_{i-1} - q_i, 0))
+
+and move to the accepted child (its own p and q), or, when every candidate is rejected, emit a
+sample of the last residual (no candidates: of p itself). Invariant: given the node's context,
+the token it emits or accepts is distributed as p. Each try is one step of the chain's rule
+(rejection.py) for the target p_{i-1} and the proposal q_i, whose residual is exactly the
+distribution left to sample; and x_i, drawn after x_1..x_{i-1}, *is* a draw from q_i whatever
+the rejections before it. So candidates must be a sample of q without replacement (a Gumbel
+top-k), and a kept subset must be a prefix of that order: the first-choice candidates of a
+deterministic top-k are not a sample of q, and a rule that tries a sibling against q itself,
+not q_i, over-accepts the second one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.round.sampling import race
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """``parents`` [batch, n] long (-1: the root's child) -> each node's depth [batch, n]
+    (the root's children 1). Padding nodes may name any earlier parent."""
+    batch, n = parents.shape
+    d = torch.zeros(batch, n + 1, dtype=torch.long, device=parents.device)  # column 0: the root
+    for i in range(n):  # parents come first
+        d[:, i + 1] = d.gather(1, (parents[:, i] + 1).clamp_min(0)[:, None])[:, 0] + 1
+    return d[:, 1:]
+
+
+def ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """``[batch, n, n]`` bool: node j is node i or one of its ancestors (the root excluded)."""
+    batch, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    anc = eye[None].repeat(batch, 1, 1)
+    rows = torch.arange(batch, device=parents.device)
+    for i in range(n):
+        p = parents[:, i]
+        has = p >= 0
+        inherited = anc[rows, p.clamp_min(0)] & has[:, None]  # [batch, n]: the parent's line
+        anc[:, i] |= inherited
+    return anc
+
+
+def tree_accept(
+    target_probs: torch.Tensor,  # [batch, n+1, vocab] p at the root (0) and after node i (i+1)
+    tokens: torch.Tensor,  # [batch, n] long: each node's drafted token
+    parents: torch.Tensor,  # [batch, n] long: each node's parent (-1: root); parents[i] < i
+    num_nodes: torch.Tensor,  # [batch] long: the row's nodes (the rest is padding)
+    draft_probs: torch.Tensor | None,  # [batch, n+1, vocab] q its children were drawn from;
+    # None: every row is greedy
+    greedy: torch.Tensor,  # [batch] bool
+    uniforms: torch.Tensor,  # [batch, n] in [0, 1): node i's acceptance test
+    noise: torch.Tensor | None,  # [batch, vocab] Exp(1) for the emitted sample; None: all greedy
+    depth: int,  # the deepest node's depth (host int: the loops need no device sync)
+    width: int,  # the most children a node has
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(path [batch, depth] long, num_accepted [batch], next_token [batch])``: row b
+    emits ``tokens[b, path[b, :num_accepted[b]]]`` then ``next_token[b]`` (path padded with
+    -1). No device -> host sync."""
+    batch, n = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(batch, device=dev)
+    real = torch.arange(n, device=dev)[None, :] < num_nodes[:, None]  # [batch, n]
+    cur = torch.full((batch,), -1, dtype=torch.long, device=dev)  # the node a row stands at
+    walking = torch.ones(batch, dtype=torch.bool, device=dev)
+    path = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)  # last: scratch
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=dev)
+    p = target_probs[:, 0].clone()  # [batch, vocab] what is left to sample at ``cur``
+    q = draft_probs[:, 0].clone() if draft_probs is not None else None  # untried candidates' q
+    node_ids = torch.arange(n, device=dev)[None, :]
+    for _ in range(depth):
+        children = (parents == cur[:, None]) & real & walking[:, None]  # [batch, n]
+        rank = children.long().cumsum(-1) - 1  # [batch, n]: a child's place among its siblings
+        accepted = torch.zeros(batch, dtype=torch.bool, device=dev)
+        for r in range(width):
+            is_r = children & (rank == r)  # [batch, n]: at most one per row
+            trying = is_r.any(-1) & ~accepted  # [batch]
+            cand = torch.where(is_r, node_ids, n).min(-1).values.clamp(max=n - 1)  # [batch]
+            x = tokens[rows, cand]  # [batch]
+            argmax_ok = x == target_probs[rows, cur + 1].argmax(-1)
+            if q is not None:
+                q_norm = q / q.sum(-1, keepdim=True).clamp_min(1e-30)  # q_i
+                q_x = q_norm[rows, x]
+                sampled_ok = uniforms[rows, cand] * q_x < p[rows, x]  # u < p(x) / q_i(x)
+                ok = torch.where(greedy, argmax_ok, sampled_ok) & trying
+                # rejected: p <- norm(max(p - q_i, 0)) (no mass left: p == q_i, kept), and x
+                # leaves q for the next sibling
+                reject = trying & ~ok & ~greedy
+                residual = (p - q_norm).clamp_min(0.0)
+                mass = residual.sum(-1, keepdim=True)
+                residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
+                p = torch.where(reject[:, None], residual, p)
+                q = torch.where(reject[:, None], q.scatter(-1, x[:, None], 0.0), q)
+            else:
+                ok = argmax_ok & trying
+            accepted |= ok
+            # an accepted candidate: the row stands at it, with its own p and q
+            path[rows, num_accepted] = torch.where(ok, cand, path[rows, num_accepted])
+            num_accepted = num_accepted + ok.long()
+            cur = torch.where(ok, cand, cur)
+            p = torch.where(ok[:, None], target_probs[rows, cand + 1], p)
+            if q is not None and draft_probs is not None:
+                q = torch.where(ok[:, None], draft_probs[rows, cand + 1], q)
+        walking = walking & accepted
+    path = path[:, :depth]
+    if noise is None:
+        return path, num_accepted, target_probs[rows, cur + 1].argmax(-1)
+    greedy_tok = target_probs[rows, cur + 1].argmax(-1)
+    return path, num_accepted, torch.where(greedy, greedy_tok, race(p, noise))
