@@ -1,7 +1,8 @@
 """The FastAPI application: OpenAI-compatible routes over an :class:`EngineWorker`.
 
 Routes: the generation routes (server/routes.py), ``GET /v1/models``, and, open without an API
-key, ``GET /health`` (liveness: 200 while the process serves HTTP, draining included),
+key, ``GET /health`` (liveness: 200 while the process serves HTTP, draining included, unless
+the engine loop has held requests for ``health_stall_s`` without coming round: 503),
 ``GET /ready`` (readiness: 503 until the engine loop runs, is warmed up and healthy, and again
 from the moment a drain starts) and ``GET /metrics`` (Prometheus). Middleware, outermost
 first: CORS (only when origins are configured), the API key guard and request counts, body
@@ -94,12 +95,23 @@ def create_app(
         },
     )
     async def prometheus_metrics():
-        metrics.set_gauges(worker.stats())
-        metrics.set_forward_paths(worker.forward_paths())
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # one render serves every scrape within metrics_cache_s: a render holds the GIL for
+        # milliseconds, which a gateway scraping every 50 ms would take from the engine
+        now = time.monotonic()
+        if page[1] is None or now - page[0] >= settings.metrics_cache_s:
+            metrics.set_gauges(worker.stats())
+            metrics.set_forward_paths(worker.forward_paths())
+            page[:] = [now, generate_latest(metrics.registry)]
+        return Response(page[1], media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
+    page: list = [0.0, None]  # (when, the rendered page)
+
+    @app.get("/health", responses={503: ERROR_RESPONSES[503]})
     async def health():
+        stalled = worker.stalled_for()
+        if stalled > settings.health_stall_s:  # liveness: a hung engine is restarted
+            why = f"the engine made no progress for {stalled:.0f} s while holding requests"
+            return error_response(APIError(503, why, "server_error", None, "engine_stalled"))
         return {"status": "ok"}
 
     @app.get("/ready", responses={503: ERROR_RESPONSES[503]})

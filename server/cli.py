@@ -4,7 +4,8 @@
 SYNOPSIS
     specd serve [MODEL] [--drafter eagle[:PATH]|ngram|model:PATH|none] [--k-max N]
                 [--max-model-len N] [--max-running N] [--dtype D] [--device D]
-                [--host H] [--port P] [--api-key K] [--served-model-name NAME]
+                [--speculative-config JSON] [--chat-template FILE|TEMPLATE]
+                [--host H] [--port P] [--api-key K] [--served-model-name NAME...]
                 [--shutdown-timeout SECONDS] [--enforce-eager] [--config FILE]
     specd prepare [MODEL] [--config FILE]
     specd generate [--model MODEL] [--config FILE] [--k K] [--max-tokens N] PROMPT...
@@ -57,6 +58,45 @@ def _env_or(args, name: str):
     return value if value is not None else os.environ.get(f"SPECD_{name.upper()}")
 
 
+def speculative_config(text: str) -> tuple[str, int | None, tuple[int, int] | None]:
+    """vLLM's ``--speculative-config`` JSON as specd's drafter: (the ``--drafter`` value,
+    ``num_speculative_tokens`` as K_max or None, the n-gram sizes or None). Methods: eagle3 /
+    eagle (``model``: the head's folder; none: the default head), ngram
+    (``prompt_lookup_min`` / ``_max``), draft_model or a bare ``model`` (a draft model)."""
+    import json
+
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"specd: --speculative-config is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise SystemExit("specd: --speculative-config must be a JSON object")
+    method, model, k = d.get("method"), d.get("model"), d.get("num_speculative_tokens")
+    if k is not None and (not isinstance(k, int) or k < 0):
+        raise SystemExit(f"specd: num_speculative_tokens must be an integer >= 0, not {k!r}")
+    if method in ("eagle3", "eagle"):
+        return (f"eagle:{model}" if model else "eagle"), k, None
+    if method == "ngram":
+        lo, hi = d.get("prompt_lookup_min", 1), d.get("prompt_lookup_max", 3)
+        return "ngram", k, (int(lo), int(hi))
+    if method in (None, "draft_model") and model:
+        return f"model:{model}", k, None
+    raise SystemExit(
+        f"specd: --speculative-config method {method!r} is not one specd serves "
+        "(eagle3, eagle, ngram, draft_model with a model)"
+    )
+
+
+def chat_template(value: str) -> str:
+    """``--chat-template``: a file holding a Jinja chat template, or the template itself."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise SystemExit(f"specd: --chat-template {value!r} is neither a file nor a Jinja template")
+
+
 def _config(args):
     from engine.config import EngineConfig
 
@@ -71,6 +111,13 @@ def _config(args):
         if value:
             setattr(cfg.model, name, value)
     drafter = _env_or(args, "drafter")
+    spec_k = None
+    if spec := _env_or(args, "speculative_config"):
+        if drafter:
+            raise SystemExit("specd: --speculative-config and --drafter both name the drafter")
+        drafter, spec_k, lookup = speculative_config(spec)
+        if lookup is not None:
+            cfg.drafter.ngram_min, cfg.drafter.ngram_max = lookup
     if other_model and not drafter and cfg.drafter.method == "eagle3":
         # the config's EAGLE-3 head reads its own target's hidden states: another model
         # speculates with n-gram prompt lookup unless --drafter names a head for it
@@ -102,6 +149,8 @@ def _config(args):
         if value is not None:
             target = cfg.drafter if name == "k_max" else cfg
             setattr(target, field, cast(value))
+    if spec_k is not None and _env_or(args, "k_max") is None:
+        cfg.drafter.k_max = spec_k
     if str(_env_or(args, "no_enable_prefix_caching")).lower() in ("true", "1", "yes"):
         cfg.prefix_cache_tokens = 0  # vLLM's flag: every prompt computed whole
     if str(_env_or(args, "enforce_eager")).lower() in ("true", "1", "yes"):
@@ -126,7 +175,7 @@ def cmd_serve(args) -> int:
         "host": args.host,
         "port": args.port,
         "api_keys": [args.api_key] if args.api_key else None,
-        "served_model_names": [args.served_model_name] if args.served_model_name else None,
+        "served_model_names": args.served_model_name or None,
         "shutdown_timeout_s": args.shutdown_timeout,
     }
     settings = ServerSettings.from_sources(data.get("server"), flags=flags)
@@ -137,6 +186,9 @@ def cmd_serve(args) -> int:
         logging.getLogger("specd").warning(warning)
     cfg = _config(args)
     built = build_engine(cfg)
+    if template := _env_or(args, "chat_template"):  # the model's own otherwise
+        tokenizer: Any = built.tokenizer
+        tokenizer.chat_template = chat_template(template)
     server = assemble(built, settings, engine_thread=False)
     load = built.engine.load()
     cache = load.prefix_cache_tokens
@@ -237,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="(env SPECD_DEVICE)")
         if name in ("serve", "generate"):
             p.add_argument(
+                "--speculative-config",
+                metavar="JSON",
+                help='vLLM\'s form of --drafter and --k-max: {"method": "eagle3", "model": PATH, '
+                '"num_speculative_tokens": K}, or "ngram" (prompt_lookup_min / _max), or '
+                '"draft_model" (env SPECD_SPECULATIVE_CONFIG)',
+            )
+            p.add_argument(
                 "--drafter",
                 metavar="eagle[:PATH]|ngram|model:PATH|none",
                 help="what drafts: an EAGLE-3 head (default PATH: SmolLM2's, "
@@ -297,7 +356,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             p.add_argument(
                 "--served-model-name",
-                help="the name /v1/models answers (env SPECD_SERVED_MODEL_NAMES)",
+                nargs="+",
+                metavar="NAME",
+                help="the names /v1/models answers and requests may use, the first listed first "
+                "(env SPECD_SERVED_MODEL_NAMES, comma-separated)",
+            )
+            p.add_argument(
+                "--chat-template",
+                metavar="FILE|TEMPLATE",
+                help="a Jinja chat template (a file, or the template itself) in place of the "
+                "model's (env SPECD_CHAT_TEMPLATE)",
             )
             p.add_argument(
                 "--shutdown-timeout",

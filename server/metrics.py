@@ -36,6 +36,12 @@ Serving:
   specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges (the
       last: positions the running sequences hold over the KV budget, kv_cache_tokens)
   specd_preemptions_total   sequences preempted (KV freed, recomputed later; vllm:num_preemptions)
+vLLM's names, label model_name, carry the same values on the process (so vLLM's dashboards and
+alerts work unchanged; a few counter increments a step): vllm:spec_decode_num_drafts_total,
+..._num_draft_tokens_total, ..._num_accepted_tokens_total, ..._num_accepted_tokens_per_pos_total
+{position: 0-based}, vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds, vllm:prompt_tokens_total,
+vllm:generation_tokens_total, and the gauges and prefix-cache counters above.
       also under vLLM's names, label model_name (the gateway's endpoint picker reads those):
       vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)
 Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queueing).
@@ -63,6 +69,22 @@ REQUEST_BUCKETS = _per(
 PHASE_BUCKETS = _per(
     10000, 2, 5, 10, 20, 50, 100, 200, 350, 500, 750, 1000, 1500, 2500, 5000, 10000, 25000
 )
+
+
+class _Twin:
+    """specd's metric and the same value under vLLM's name, updated together (vLLM's
+    dashboards and alerts then work on specd unchanged)."""
+
+    def __init__(self, *children):
+        self.children = children
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
 
 
 class Metrics:
@@ -236,20 +258,69 @@ class Metrics:
             self._kv,
             vllm("kv_cache_usage_perc", "KV cache used, 0..1").labels(model),
         )
-        # children with the model/drafter labels bound (the hot path does no label lookups)
-        self.drafted, self.accepted = self._drafted.labels(**lab), self._accepted.labels(**lab)
+
+        def vllm_counter(name: str, doc: str, extra=()):
+            return Counter(
+                f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name", *extra], registry=r
+            )
+
+        def vllm_hist(name: str, doc: str, buckets):
+            return Histogram(
+                f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name"], buckets=buckets, registry=r
+            ).labels(model)
+
+        # children with the model/drafter labels bound (the hot path does no label lookups),
+        # twinned with vLLM's names where vLLM has the same measure
+        self.drafted = _Twin(
+            self._drafted.labels(**lab),
+            vllm_counter("spec_decode_num_draft_tokens", "Draft tokens").labels(model),
+        )
+        self.accepted = _Twin(
+            self._accepted.labels(**lab),
+            vllm_counter("spec_decode_num_accepted_tokens", "Accepted tokens").labels(model),
+        )
+        self.drafts = vllm_counter(  # rounds of a sequence that drafted
+            "spec_decode_num_drafts", "Sequence rounds that drafted"
+        ).labels(model)
         self.forced = self._forced.labels(**lab)
-        self.passes, self.output_tokens = self._passes.labels(**lab), self._out.labels(**lab)
-        self.prompt_tokens = self._prompt.labels(**lab)
+        self.passes = self._passes.labels(**lab)
+        self.output_tokens = _Twin(
+            self._out.labels(**lab),
+            vllm_counter("generation_tokens", "Generation tokens").labels(model),
+        )
+        self.prompt_tokens = _Twin(
+            self._prompt.labels(**lab), vllm_counter("prompt_tokens", "Prompt tokens").labels(model)
+        )
         self.tokens_per_pass, self.draft_length = self._tpp.labels(**lab), self._k.labels(**lab)
-        self.itl, self.ttft = self._itl.labels(**lab), self._ttft.labels(**lab)
-        self.e2e, self.queue = self._e2e.labels(**lab), self._queue.labels(**lab)
+        self.itl = _Twin(
+            self._itl.labels(**lab),
+            vllm_hist("inter_token_latency_seconds", "Inter-token latency", ITL_BUCKETS),
+        )
+        self.ttft = _Twin(
+            self._ttft.labels(**lab),
+            vllm_hist("time_to_first_token_seconds", "Time to first token", REQUEST_BUCKETS),
+        )
+        self.e2e = _Twin(
+            self._e2e.labels(**lab),
+            vllm_hist("e2e_request_latency_seconds", "End-to-end latency", REQUEST_BUCKETS),
+        )
+        self.queue = _Twin(
+            self._queue.labels(**lab),
+            vllm_hist("request_queue_time_seconds", "Time queued", REQUEST_BUCKETS),
+        )
         self.phase = {p: self._phase.labels(**lab, phase=p) for p in ("draft", "verify", "accept")}
         self.drafted_pos = [
             self._drafted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)
         ]
-        self.accepted_pos = [
-            self._accepted_pos.labels(**lab, position=str(j)) for j in range(1, k_max + 1)
+        accepted_pos = vllm_counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens by position", ["position"]
+        )
+        self.accepted_pos = [  # vLLM counts positions from 0
+            _Twin(
+                self._accepted_pos.labels(**lab, position=str(j)),
+                accepted_pos.labels(model, str(j - 1)),
+            )
+            for j in range(1, k_max + 1)
         ]
         self.drafter_failures = self._drafter_failures.labels(**lab)
         self._failures_seen = 0  # the engine's running count, as last read
@@ -269,6 +340,8 @@ class Metrics:
             if st is None:  # the token sampled from the prefill
                 continue
             self.draft_length.observe(st.k)
+            if st.drafted:
+                self.drafts.inc()
             self.drafted.inc(st.drafted)
             self.accepted.inc(st.accepted)
             self.forced.inc(st.forced)

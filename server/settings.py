@@ -39,6 +39,10 @@ class ServerSettings:
     # SIGTERM to exit at most: the engine drains for all but the last DRAIN_FLUSH_S of it
     shutdown_timeout_s: float = 25.0
     cors_origins: list[str] = field(default_factory=list)  # empty: no CORS headers at all
+    # /health answers 503 once the engine loop has held requests this long without coming round
+    # (a hung step: liveness restarts the process); a long prefill chunk takes seconds
+    health_stall_s: float = 120.0
+    metrics_cache_s: float = 0.1  # /metrics renders at most this often (scrapers share one page)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -89,6 +93,8 @@ OTHER_ENV = {
     "DETERMINISTIC",
     "PREFIX_CACHE_TOKENS",
     "KV_CACHE_TOKENS",
+    "SPECULATIVE_CONFIG",
+    "CHAT_TEMPLATE",
     "NO_ENABLE_PREFIX_CACHING",
     "ENFORCE_EAGER",
     "SHUTDOWN_TIMEOUT",

@@ -58,7 +58,7 @@ PANELS = [  # (title, unit, [(legend, expr)])
     ),
     ("KV cache usage", "percentunit", [("{{model}}", f"specd_kv_cache_usage_ratio{SEL}")]),
     (
-        "Error rate (non-2xx generation requests)",
+        "Error rate (5xx generation requests)",
         "percentunit",
         [("{{model}} {{drafter}}", f"specd:request_errors:ratio_rate1m{SEL}")],
     ),

@@ -42,10 +42,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.group_graphs import GroupGraphs
+from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner, Tree
+    from engine.model.runner import ModelRunner
 
 log = logging.getLogger("specd.fast_forward")
 
@@ -146,8 +147,8 @@ class FastForward:
         tree: Tree | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens
-        (``tree``: draft trees, runner.Tree; the graphs take its mask as they take the causal
-        one; not under CUDA graphs); returns their final-normed hidden states
+        (``tree``: draft trees, tree_attention.Tree; the graphs take its mask as they take the
+        causal one; not under CUDA graphs); returns their final-normed hidden states
         ``[batch, q, hidden]`` and tapped inputs ``[batch, q, taps * hidden]``, or None when
         the shape is outside the buckets."""
         runner, dev = self.runner, self.runner.device
@@ -185,8 +186,6 @@ class FastForward:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' tree laid out over slots ``[0, nb)`` and ``qb`` queries (padding rows and
         queries see only themselves): positions ``[nb, qb]`` and the mask."""
-        from engine.model.runner import Tree, tree_mask  # the runner imports this module
-
         dev = self.runner.device
         depth = torch.zeros(nb, qb, dtype=torch.long, device=dev)
         depth[slot_t, :q] = tree.depth

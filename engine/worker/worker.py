@@ -64,6 +64,8 @@ class EngineWorker:
         self._drain_deadline: float | None = None  # set by shutdown()
         self._thread: threading.Thread | None = None
         self.healthy = True  # false once an exception escaped the engine loop
+        # time.monotonic() when the loop last came round (a step ended, or it woke idle)
+        self.beat = time.monotonic()
         self.warmed = threading.Event()  # compiled forwards warmed up (at once when none)
         # called in the engine thread after every step with (outputs, self.stats()): metrics
         self.observers: list[Callable[[list[StepOutput], dict], None]] = []
@@ -236,11 +238,19 @@ class EngineWorker:
         registered, or in the inbox."""
         return self._reserved > 0 or bool(self._channels) or not self._inbox.empty()
 
+    def stalled_for(self) -> float:
+        """Seconds the engine loop has made no progress while holding requests (0: it holds
+        none, or came round since the last one arrived): a hung step shows here (``/health``)."""
+        if not self.running or not self._holds_requests():
+            return 0.0
+        return max(0.0, time.monotonic() - self.beat)
+
     def _loop(self) -> None:
         e = self.engine
         while (deadline := self._drain_deadline) is None or (
             self._holds_requests() and time.monotonic() < deadline
         ):
+            self.beat = time.monotonic()
             self._drain_inbox()
             if not e.has_work():
                 self._wake.wait(0.5 if deadline is None else 0.05)

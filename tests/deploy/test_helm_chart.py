@@ -43,6 +43,7 @@ VALUE_SETS = {
     "gpu-llama": yaml.safe_load((CHART / "values-gpu-llama3.1-8b.yaml").read_text()),
     "gpu-qwen": yaml.safe_load((CHART / "values-gpu-qwen2.5-7b.yaml").read_text()),
 }
+GPU_VALUES = ["values-gpu-llama3.1-8b.yaml", "values-gpu-qwen2.5-7b.yaml"]
 
 
 def render(values: dict) -> list[dict]:
@@ -119,6 +120,7 @@ def test_deployment_probes_rollout_and_drain_timing():
     spec, pod = d["spec"], d["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert c["readinessProbe"]["failureThreshold"] >= 2
     assert c["startupProbe"]["httpGet"]["path"] == "/ready"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -198,3 +200,29 @@ def test_the_hpa_metric_is_what_the_adapter_rules_serve_and_specd_exports():
     assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
     exported = {m.name for m in Metrics("m", "ngram").registry.collect()}
     assert name in exported
+
+
+@pytest.mark.parametrize("values", ["values.yaml", *GPU_VALUES])
+def test_rollout_outlasts_the_startup_probe_and_is_settable(values):
+    """progressDeadlineSeconds beyond the startup probe's window (a pod still warming up is not a
+    failed rollout); maxUnavailable a value (a full GPU pool upgrades with maxSurge 0)."""
+    v = yaml.safe_load((CHART / values).read_text()) if values != "values.yaml" else {}
+    d = by_kind(render(v))["Deployment"]
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    startup = c["startupProbe"]
+    assert (
+        d["spec"]["progressDeadlineSeconds"]
+        > startup["periodSeconds"] * startup["failureThreshold"]
+    )
+    full_pool = {"rollout": {"maxSurge": 0, "maxUnavailable": 1}}
+    strategy = by_kind(render(full_pool))["Deployment"]["spec"]["strategy"]["rollingUpdate"]
+    assert (strategy["maxSurge"], strategy["maxUnavailable"]) == (0, 1)
+
+
+@pytest.mark.parametrize("values", GPU_VALUES)
+def test_gpu_values_are_selected_by_kube_prometheus_stack(values):
+    """kube-prometheus-stack's Prometheus selects ServiceMonitors labelled release=<its release>
+    (kube-prometheus-stack by default): without it KEDA would see no data."""
+    v = yaml.safe_load((CHART / values).read_text())
+    sm = by_kind(render(v))["ServiceMonitor"]
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"

@@ -1,12 +1,16 @@
 """The app's health routes follow the engine loop: ``/ready`` answers 503 once the loop died (an
 exception that escaped it, not a failed step), and generation is refused; ``/health`` stays up."""
 
+import asyncio
+import contextlib
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engine.engine import EngineLoad
+from engine.round.sampling import SamplingParams
 from engine.worker.worker import EngineWorker
 from tests.conftest import make_app
 from tests.server.helpers import CHAT, assert_error
@@ -80,3 +84,77 @@ def test_structured_output_on_an_engine_without_grammars_is_a_400(built):
             assert c.get("/ready").json()["status"] == "ready"
     finally:
         worker.shutdown()
+
+
+class StuckEngine(DyingEngine):
+    """An engine whose step hangs until ``release`` is set (a hung kernel, a deadlock)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.stepping = threading.Event(), threading.Event()
+        self.work = False
+
+    def add_request(self, rid, ids, params, spec, group) -> None:
+        self.work = True
+
+    def has_work(self) -> bool:
+        return self.work
+
+    def step(self):
+        self.stepping.set()
+        self.release.wait(30)
+        self.work = False
+        return []
+
+
+def test_health_turns_503_while_a_hung_engine_holds_requests(built):
+    """Liveness follows the engine loop's heartbeat: a step that never ends while a request is
+    held turns /health 503 past ``health_stall_s`` (Kubernetes then restarts the pod); when the
+    step ends it is 200 again. Idle, the loop is never stalled."""
+    engine = StuckEngine()
+    worker = EngineWorker(engine)
+    worker.start()
+    try:
+        with TestClient(make_app(built, worker, health_stall_s=0.3)) as c:
+            time.sleep(0.5)
+            assert c.get("/health").status_code == 200  # idle: nothing held
+
+            async def consume():  # one request held by the worker (the engine never ends it)
+                params = SamplingParams(temperature=0, max_tokens=2)
+                with contextlib.suppress(Exception):  # the shutdown below answers it
+                    async for _ in worker.submit("held", [1, 2, 3], params):
+                        pass
+
+            threading.Thread(target=lambda: asyncio.run(consume()), daemon=True).start()
+            assert engine.stepping.wait(30)
+            time.sleep(0.6)
+            err = assert_error(c.get("/health"), 503)
+            assert err["code"] == "engine_stalled" and "no progress" in err["message"]
+            engine.release.set()
+            deadline = time.monotonic() + 30
+            while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.get("/health").status_code == 200
+    finally:
+        engine.release.set()
+        worker.shutdown(timeout=2)
+
+
+def test_metrics_render_once_per_cache_period(built):
+    """Scrapes within ``metrics_cache_s`` share one rendered page (the engine's stats are read
+    once); after it, a new page."""
+    engine = DyingEngine()
+    worker = EngineWorker(engine)
+    reads = []
+    stats = worker.stats
+    worker.stats = lambda: reads.append(1) or stats()  # type: ignore[method-assign]
+    worker.start()
+    try:
+        with TestClient(make_app(built, worker, metrics_cache_s=0.5)) as c:
+            first = c.get("/metrics").text
+            assert c.get("/metrics").text == first and len(reads) == 1
+            time.sleep(0.6)
+            c.get("/metrics")
+            assert len(reads) == 2
+    finally:
+        worker.shutdown(timeout=2)

@@ -104,3 +104,50 @@ def test_deterministic_flag_and_environment(monkeypatch):
     monkeypatch.setenv("SPECD_DETERMINISTIC", "sometimes")
     with pytest.raises(SystemExit, match="deterministic must be one of"):
         cli._config(parse([]))
+
+
+@pytest.mark.parametrize(
+    "spec,drafter,k_max",
+    [
+        ('{"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 4}', "eagle3", 4),
+        ('{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}', "ngram", None),
+        ('{"model": "/models/draft", "num_speculative_tokens": 3}', "model", 3),
+    ],
+)
+def test_a_vllm_speculative_config_names_the_same_drafter(monkeypatch, spec, drafter, k_max):
+    """vLLM's --speculative-config serves what the equivalent --drafter / --k-max would."""
+    monkeypatch.delenv("SPECD_DRAFTER", raising=False)
+    monkeypatch.delenv("SPECD_K_MAX", raising=False)
+    cfg = cli._config(parse(["--speculative-config", spec]))
+    equivalent = {
+        "eagle3": ["--drafter", "eagle:/heads/h", "--k-max", "4"],
+        "ngram": ["--drafter", "ngram"],
+        "model": ["--drafter", "model:/models/draft", "--k-max", "3"],
+    }[drafter]
+    want = cli._config(parse(equivalent))
+    assert (cfg.drafter.method, cfg.drafter.source) == (want.drafter.method, want.drafter.source)
+    assert cfg.drafter.k_max == want.drafter.k_max == (k_max or want.drafter.k_max)
+    if drafter == "ngram":
+        assert (cfg.drafter.ngram_min, cfg.drafter.ngram_max) == (2, 5)
+    with pytest.raises(SystemExit, match="both name the drafter"):
+        cli._config(parse(["--speculative-config", spec, "--drafter", "ngram"]))
+
+
+@pytest.mark.parametrize("bad", ["not json", '{"method": "medusa"}', "[1]"])
+def test_a_speculative_config_specd_cannot_serve_is_refused(bad):
+    with pytest.raises(SystemExit, match="speculative-config"):
+        cli._config(parse(["--speculative-config", bad]))
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert cli.chat_template(str(path)) == path.read_text()
+    assert cli.chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(SystemExit, match="neither a file nor"):
+        cli.chat_template("no-such-file.jinja")
+    assert parse(["--chat-template", str(path)]).chat_template == str(path)
+
+
+def test_several_served_model_names():
+    assert parse(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]

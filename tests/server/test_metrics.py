@@ -136,6 +136,24 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
     assert total(m, "specd_requests_total") == requests + 1
     assert total(m, "specd_kv_cache_usage_ratio") == 0.0  # everything finished and freed
     assert ("specd_running_sequences", frozenset(lab.items())) in m
+    # vLLM's names carry the same values (its dashboards and alerts work unchanged)
+    v = {"model_name": MODEL}
+    assert total(m, "vllm:spec_decode_num_draft_tokens_total", **v) == usage["drafted"]
+    assert total(m, "vllm:spec_decode_num_accepted_tokens_total", **v) == usage["accepted"]
+    assert 0 < total(m, "vllm:spec_decode_num_drafts_total", **v) <= usage["passes"]
+    assert total(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == usage["accepted"]
+    assert total(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == total(
+        m, "specd_accepted_tokens_by_position_total", position="1"
+    )
+    assert total(m, "vllm:prompt_tokens_total", **v) == usage["prompt"]
+    assert total(m, "vllm:generation_tokens_total", **v) == usage["completion"]
+    for ours, theirs in [
+        ("specd_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+        ("specd_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"),
+        ("specd_request_latency_seconds", "vllm:e2e_request_latency_seconds"),
+        ("specd_queue_time_seconds", "vllm:request_queue_time_seconds"),
+    ]:
+        assert total(m, f"{theirs}_count", **v) == total(m, f"{ours}_count") > 0
 
 
 def listening_address(prom: subprocess.Popen) -> str:

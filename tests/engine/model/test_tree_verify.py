@@ -1,4 +1,4 @@
-"""A draft tree verified in one target forward (runner.Tree, engine/round/tree.py): every node's
+"""A draft tree verified in one target forward (engine/model/tree_attention.py): every node's
 logits equal a plain forward of the path to it (fp32), eager and through the compiled path (the
 graphs take the tree's mask as they take the causal one), in a batch with a chain row and a row
 in a far slot; and after the accepted path's K/V are moved into a chain (SlotKVCache.move) the
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.model.compiled import CompileConfig
-from engine.model.runner import ModelRunner, Tree
+from engine.model.runner import ModelRunner
+from engine.model.tree_attention import Tree
 from engine.round.tree import ancestors, depths
 from tests.helpers import tiny_llama
 
