@@ -14,11 +14,12 @@ Invariants:
     waits while later arrivals of other groups are admitted.
   * Interactive first: a group of more than ``BULK`` sequences (a request with many choices or
     prompts) holds at most ``bulk_slots`` slots while a smaller group (a chat request) has a
-    sequence in the engine; :meth:`make_room` preempts its rows past that, highest slots first,
-    before the smaller group's are admitted (into the lowest free slots). On CPU a round costs
-    with its rows, and a compiled forward with its highest slot (rows are slots: compiled.py):
-    beside a dozen rows of a big request, a chat request's tokens came ~10x slower than alone.
-    The preempted rows are recomputed from the prefix cache once the chat requests are gone.
+    sequence in the engine, and for ``BULK_GRACE_S`` after; :meth:`make_room` preempts its rows
+    past that, highest slots first, before the smaller group's are admitted (into the lowest
+    free slots). On CPU a round costs with its rows, and a compiled forward with its highest
+    slot (rows are slots: compiled.py): beside a dozen rows of a big request, a chat request's
+    tokens came ~10x slower than alone. The preempted rows are recomputed from the prefix cache
+    once the chat requests are gone.
   * Chunked prefill: at most ``prefill_chunk_tokens`` prompt tokens per step, so a long prompt
     never stalls the running streams for more than one chunk's forward.
   * Shared prefill: choices of one group with the same prompt prefill once. The first admitted
@@ -51,6 +52,10 @@ from engine.model.prefix_cache import PrefixCache
 from engine.requests.sequence import Sequence, Status
 
 BULK = 2  # a group of more sequences than this is a bulk request (it yields to smaller ones)
+# seconds the bulk cap outlasts the last smaller request: chat clients send their next request
+# a moment after the last one ended, and readmitting the bulk rows in that gap only to preempt
+# them again recomputed them for nothing
+BULK_GRACE_S = 1.0
 
 
 @dataclass
@@ -97,6 +102,7 @@ class Scheduler:
         self.kv_budget = kv_budget if kv_budget is not None else slots * max_len
         self.lookahead = lookahead
         self.bulk_slots = bulk_slots
+        self._smaller_seen = -BULK_GRACE_S  # when a smaller group was last in the engine
         self.preemptions = 0  # so far
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
@@ -130,7 +136,12 @@ class Scheduler:
         for s in (*self.waiting, *self.prefilling, *self.running):
             sizes[s.group] = sizes.get(s.group, 0) + 1
         cap, bulk = self.max_slots_per_group, self.bulk_slots
-        if bulk is None or all(n > BULK for n in sizes.values()):
+        if bulk is None:
+            return dict.fromkeys(sizes, cap)
+        now = time.perf_counter()
+        if any(n <= BULK for n in sizes.values()):
+            self._smaller_seen = now
+        elif now - self._smaller_seen >= BULK_GRACE_S:
             return dict.fromkeys(sizes, cap)
         return {g: min(bulk, cap) if n > BULK else cap for g, n in sizes.items()}
 

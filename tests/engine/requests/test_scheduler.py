@@ -1,8 +1,11 @@
 """Scheduling (engine/requests/scheduler.py): slot admission, chunked prefill, and fairness across
 requests — one request with many choices never holds the whole engine."""
 
+import time
+
 import pytest
 
+from engine.requests import scheduler
 from engine.requests.sequence import SpecParams, Status
 from engine.round.sampling import SamplingParams
 from tests.helpers import engine_for, fed_prompt_tokens
@@ -29,10 +32,12 @@ def test_a_request_with_many_choices_leaves_room_for_others(models):
     assert e.target.cache.used_tokens() == 0
 
 
-def test_a_chat_request_beside_a_bulk_one_runs_in_the_lowest_slots(models):
+def test_a_chat_request_beside_a_bulk_one_runs_in_the_lowest_slots(models, monkeypatch):
     """With ``bulk_slots`` = 1, a one-sequence request arriving beside a 24-choice request
     preempts the big one's rows but its lowest, takes the next slot, and its rounds are two rows
-    wide; the preempted rows resume after it and every choice decodes as plain greedy does."""
+    wide; the preempted rows resume a grace period after it and every choice decodes as plain
+    greedy does."""
+    monkeypatch.setattr(scheduler, "BULK_GRACE_S", 0.3)
     e = engine_for(models, "ngram", slots=8, prefix_cache=256, bulk_slots=1)
     plain = engine_for(models[0], None, slots=8)
     big = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -53,6 +58,11 @@ def test_a_chat_request_beside_a_bulk_one_runs_in_the_lowest_slots(models):
             widths.append(len(e.running))
     assert widths and max(widths) == 2
     assert e.load().preemptions >= e.scheduler.max_slots_per_group - 1
+    e.step()  # within the grace period the big request keeps its one slot ...
+    assert len(e.running) + len(e.prefilling) == 1
+    time.sleep(scheduler.BULK_GRACE_S)
+    e.step()  # ... then its rows come back
+    assert len(e.running) + len(e.prefilling) > 1
     while e.has_work():
         e.step()
     want = plain.generate(prompts, big)
