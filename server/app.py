@@ -85,6 +85,8 @@ def create_app(
     openapi = app.openapi
     app.openapi = lambda: finish_schema(openapi())  # type: ignore[method-assign]
 
+    page: list = [0.0, None]  # /metrics: (when, the rendered page)
+
     @app.get(
         "/metrics",
         responses={
@@ -103,8 +105,6 @@ def create_app(
             metrics.set_forward_paths(worker.forward_paths())
             page[:] = [now, generate_latest(metrics.registry)]
         return Response(page[1], media_type=CONTENT_TYPE_LATEST)
-
-    page: list = [0.0, None]  # (when, the rendered page)
 
     @app.get("/health", responses={503: ERROR_RESPONSES[503]})
     async def health():

@@ -35,6 +35,8 @@ Serving:
   specd_queue_time_seconds            histogram, from the engine taking a sequence to its KV slot
   specd_running_sequences, specd_waiting_sequences, specd_kv_cache_usage_ratio   gauges (the
       last: positions the running sequences hold over the KV budget, kv_cache_tokens)
+      also under vLLM's names, label model_name (the gateway's endpoint picker reads those):
+      vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)
   specd_preemptions_total   sequences preempted (KV freed, recomputed later; vllm:num_preemptions)
 vLLM's names, label model_name, carry the same values on the process (so vLLM's dashboards and
 alerts work unchanged; a few counter increments a step): vllm:spec_decode_num_drafts_total,
@@ -42,8 +44,6 @@ alerts work unchanged; a few counter increments a step): vllm:spec_decode_num_dr
 {position: 0-based}, vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
 vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds, vllm:prompt_tokens_total,
 vllm:generation_tokens_total, and the gauges and prefix-cache counters above.
-      also under vLLM's names, label model_name (the gateway's endpoint picker reads those):
-      vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)
 Latency buckets reach from 1 ms (GPU decode steps) to seconds (CPU prefill, queueing).
 """
 
@@ -139,35 +139,28 @@ class Metrics:
             "Output tokens. Output tok/s: rate(specd_output_tokens_total[1m])",
         )
         self._prompt = counter("specd_prompt_tokens", "Prompt tokens of every sequence.")
-        self._prefix = {  # EngineLoad field -> its counters, specd's and vLLM's names
+
+        def vllm_counter(name: str, doc: str, extra=()):
+            return Counter(
+                f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name", *extra], registry=r
+            )
+
+        self._prefix = {  # EngineLoad running total -> its counters, specd's and vLLM's names
             "prefix_queries": (
                 counter(
                     "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
                 ),
-                Counter(
-                    "vllm:prefix_cache_queries",
-                    "Prefix cache queries, in tokens (vLLM's name)",
-                    ["model_name"],
-                    registry=r,
-                ).labels(model),
+                vllm_counter("prefix_cache_queries", "Prefix cache queries, in tokens").labels(
+                    model
+                ),
             ),
             "prefix_hits": (
                 counter("specd_prefix_cache_hits", "Prompt tokens restored from the prefix cache."),
-                Counter(
-                    "vllm:prefix_cache_hits",
-                    "Prefix cache hits, in tokens (vLLM's name)",
-                    ["model_name"],
-                    registry=r,
-                ).labels(model),
+                vllm_counter("prefix_cache_hits", "Prefix cache hits, in tokens").labels(model),
             ),
             "preemptions": (
                 counter("specd_preemptions", "Sequences preempted: KV freed, recomputed later."),
-                Counter(
-                    "vllm:num_preemptions",
-                    "Cumulative number of preemptions (vLLM's name)",
-                    ["model_name"],
-                    registry=r,
-                ).labels(model),
+                vllm_counter("num_preemptions", "Cumulative number of preemptions").labels(model),
             ),
         }
         self._prefix_seen = {k: 0 for k in self._prefix}  # the engine's totals, as last read
@@ -258,11 +251,6 @@ class Metrics:
             self._kv,
             vllm("kv_cache_usage_perc", "KV cache used, 0..1").labels(model),
         )
-
-        def vllm_counter(name: str, doc: str, extra=()):
-            return Counter(
-                f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name", *extra], registry=r
-            )
 
         def vllm_hist(name: str, doc: str, buckets):
             return Histogram(

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.group_graphs import GroupGraphs
-from engine.model.tree_attention import Tree, tree_mask
+from engine.model.tree_attention import Tree, tree_inputs
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -191,9 +191,7 @@ class FastForward:
         depth[slot_t, :q] = tree.depth
         visible = torch.eye(qb, dtype=torch.bool, device=dev).repeat(nb, 1, 1)  # [nb, qb, qb]
         visible[slot_t, :q, :q] = tree.visible
-        start_t = to_device(row_start, torch.long, dev)
-        padded = Tree(depth, visible)
-        return start_t[:, None] + depth, tree_mask(padded, start_t, kv_len)
+        return tree_inputs(Tree(depth, visible), to_device(row_start, torch.long, dev), kv_len)
 
     def _kv_len(self, kv_len: int) -> int:
         cache = self.runner.cache

@@ -34,7 +34,7 @@ from engine.model.layer import (
     varying_shape_attention,
 )
 from engine.model.q4_matmul import Q4Weight, q4_linear
-from engine.model.tree_attention import Tree, tree_mask
+from engine.model.tree_attention import Tree, tree_inputs
 from engine.model.weights import LayerWeights, ModelWeights, dense_weights
 from engine.transfer import to_device
 
@@ -275,9 +275,7 @@ class ModelRunner:
             pos, write_pos = cache.positions(starts, counts, ids.shape[1])
             pos_t, mask = to_device(pos, None, dev), None
             if tree is not None:
-                start_t = to_device(starts, torch.long, dev)
-                pos_t = start_t[:, None] + tree.depth
-                mask = tree_mask(tree, start_t, kv_len)
+                pos_t, mask = tree_inputs(tree, to_device(starts, torch.long, dev), kv_len)
             return self.layers_forward(
                 ids,
                 pos_t,

@@ -27,3 +27,9 @@ def tree_mask(tree: Tree, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
     cols = rel.clamp(0, q - 1)[:, None, :].expand(-1, q, -1)  # [batch, q, kv_len]
     sees = tree.visible.gather(2, cols) & in_tree[:, None, :]
     return (sees | (rel < 0)[:, None, :]).unsqueeze(1)
+
+
+def tree_inputs(tree: Tree, starts: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions ``[batch, q]`` (``start + depth``) and the mask (:func:`tree_mask`) of a
+    tree verify whose rows start at ``starts`` ``[batch]``."""
+    return starts[:, None] + tree.depth, tree_mask(tree, starts, kv_len)

@@ -58,6 +58,16 @@ BULK = 2  # a group of more sequences than this is a bulk request (it yields to 
 BULK_GRACE_S = 1.0
 
 
+def check_kv_budget(kv_budget: int | None, max_len: int) -> None:
+    """A KV budget must hold one sequence of the context (:meth:`Scheduler.make_room` never
+    preempts the last one, and admission would wait for ever): ValueError if not."""
+    if kv_budget is not None and kv_budget < max_len:
+        raise ValueError(
+            f"kv_cache_tokens={kv_budget} cannot hold one sequence of the context's {max_len} "
+            "tokens (max_model_len): raise it or lower max_model_len"
+        )
+
+
 @dataclass
 class PrefillChunk:
     seq: Sequence
@@ -99,6 +109,7 @@ class Scheduler:
         self.max_prefill_per_group = max(1, max_prefill_per_step // 2)
         self.on_release = on_release  # called before a sequence's slot is freed (the drafter)
         self.prefix, self.invariant = prefix, invariant
+        check_kv_budget(kv_budget, max_len)
         self.kv_budget = kv_budget if kv_budget is not None else slots * max_len
         self.lookahead = lookahead
         self.bulk_slots = bulk_slots
@@ -146,7 +157,7 @@ class Scheduler:
         return {g: min(bulk, cap) if n > BULK else cap for g, n in sizes.items()}
 
     def _admit(self) -> None:
-        caps = self._caps()
+        caps, room = self._caps(), self.room()
         held: dict[str, int] = {}
         seats: dict[str, int] = {}
         for s in self.running:
@@ -175,9 +186,10 @@ class Scheduler:
             ):
                 s.lead = None
                 continue  # its group is at its cap: later arrivals of other groups go first
-            if self.room() < len(s.prefill_ids) + self.lookahead:
+            if room < self._holds(len(s.prefill_ids)):  # its prefill and its first verify
                 s.lead = None
                 return  # in arrival order: a long prompt is not overtaken for ever
+            room -= len(s.prefill_ids)  # what it holds while prefilling (:meth:`held`)
             self.waiting.remove(s)
             s.slot = self.cache.allocate()
             # its cached prefix, unless a lead's prefill serves it or every prompt position's
@@ -253,10 +265,15 @@ class Scheduler:
         self._release(s)
 
     # -- the KV budget ------------------------------------------------------------------------
+    def _holds(self, tokens: int) -> int:
+        """Positions a running sequence of ``tokens`` tokens counts against the budget: its
+        tokens and what its next verify may write, never past the context."""
+        return min(tokens + self.lookahead, self.max_len)
+
     def held(self) -> int:
         """Positions the slot holders count against the budget: a prefilling sequence its
-        whole prefill, a running one its tokens plus what its next verify may write."""
-        growing = sum(min(s.num_tokens + self.lookahead, self.max_len) for s in self.running)
+        whole prefill, a running one :meth:`_holds`."""
+        growing = sum(self._holds(s.num_tokens) for s in self.running)
         return growing + sum(len(s.prefill_ids) for s in self.prefilling)
 
     def room(self) -> int:

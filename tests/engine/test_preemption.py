@@ -142,3 +142,17 @@ def test_a_freed_slot_gives_its_memory_back():
     assert all(resident_pages(t[a]) <= 2 for t in cache.k + cache.v)  # at most its end pages
     assert all(resident_pages(t[b]) >= slot_pages for t in cache.k + cache.v)
     assert cache.k[0][a].abs().sum() == 0 and cache.v[0][b].min() == 2.0
+
+
+def test_a_budget_of_one_context_serves_a_prompt_of_nearly_that_length(models):
+    """With the smallest budget allowed (one ``max_len``), a prompt leaving only a few positions
+    of the context is admitted and finishes (its first verify may write past its prompt, but a
+    sequence never holds more than the context)."""
+    e = engine_for(models, "ngram", slots=2, max_len=MAX_LEN, kv_budget=MAX_LEN)
+    prompt = prompts(1, e.vocab_size, MAX_LEN - 3)[0]
+    s = e.add_request("long", prompt, GREEDY, SpecParams(k=3))
+    for _ in range(50):
+        if not e.has_work():
+            break
+        e.step()
+    assert s.status.value == "finished" and s.output_ids and s.finish_reason == "length"
