@@ -17,9 +17,9 @@ Invariants:
     sequence in the engine, and for ``BULK_GRACE_S`` after; :meth:`make_room` preempts its rows
     past that, highest slots first, before the smaller group's are admitted (into the lowest
     free slots). On CPU a round costs with its rows, and a compiled forward with its highest
-    slot (rows are slots: compiled.py): beside a dozen rows of a big request, a chat request's
-    tokens came ~10x slower than alone. The preempted rows are recomputed from the prefix cache
-    once the chat requests are gone.
+    slot (rows are slots: compiled.py), so beside a dozen rows of a big request a chat request's
+    tokens came several times slower than alone (loadtest/results/fairness.txt). The preempted
+    rows are recomputed from the prefix cache once the chat requests are gone.
   * Chunked prefill: at most ``prefill_chunk_tokens`` prompt tokens per step, so a long prompt
     never stalls the running streams for more than one chunk's forward.
   * Shared prefill: choices of one group with the same prompt prefill once. The first admitted
