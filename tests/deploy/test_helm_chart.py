@@ -9,6 +9,9 @@ config file specd itself accepts."""
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,8 @@ CRDS = ROOT / "deploy" / "crds"
 KUBE_VERSIONS = ["1.29.0", "1.37.0"]  # Chart.yaml's kubeVersion floor, and the newest schemas
 EVERYTHING = {  # every optional object on
     "serviceMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "grafanaDashboards": {"enabled": True},
     "autoscaling": {"keda": {"enabled": True}},
     "inferencePool": {"enabled": True},
     "apiKey": {"existingSecret": "specd-keys"},
@@ -54,14 +59,30 @@ def render(values: dict) -> list[dict]:
 
 
 def by_kind(docs: list[dict]) -> dict[str, dict]:
-    return {d["kind"]: d for d in docs}
+    """kind -> the object (one of each); the Grafana dashboards' ConfigMap under
+    "ConfigMap/dashboards" (the config's is "ConfigMap")."""
+    out = {}
+    for d in docs:
+        key = d["kind"] + ("/dashboards" if d["metadata"]["name"].endswith("-dashboards") else "")
+        assert key not in out, key
+        out[key] = d
+    return out
+
+
+def go_pattern(pattern: str) -> str:
+    """A CRD's (Go RE2) pattern as Python's re reads it: RE2 takes flags anywhere, Python only
+    at the start (the PrometheusRule CRD's "^(?i)(abort|warn)?$" means "(?i)^(abort|warn)?$")."""
+    return re.sub(r"^\^\(\?([a-zA-Z]+)\)", r"(?\1)^", pattern)
 
 
 def closed(schema):
     """The CRD schema with unknown fields refused wherever the CRD lists the fields (the API
     server would prune them silently: a typo in the chart must fail here instead)."""
     if isinstance(schema, dict):
-        schema = {k: closed(v) for k, v in schema.items()}
+        schema = {
+            k: go_pattern(v) if k == "pattern" and isinstance(v, str) else closed(v)
+            for k, v in schema.items()
+        }
         if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
             schema.setdefault("additionalProperties", False)
     elif isinstance(schema, list):
@@ -101,11 +122,34 @@ def test_every_object_validates_strictly(name):
 
 
 def test_the_vendored_crds_have_what_the_chart_renders():
-    assert {k for _, k in crd_schemas()} >= {"ScaledObject", "ServiceMonitor", "InferencePool"}
-    bad = copy.deepcopy(by_kind(render(EVERYTHING))["ScaledObject"])
+    kinds = {"ScaledObject", "ServiceMonitor", "InferencePool", "PrometheusRule"}
+    assert {k for _, k in crd_schemas()} >= kinds
+    docs = by_kind(render(EVERYTHING))
+    assert kinds <= set(docs)
+    bad = copy.deepcopy(docs["ScaledObject"])
     bad["spec"]["triggers"][0]["metricTyp"] = "AverageValue"  # a typo must not pass
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, crd_schemas()[("keda.sh/v1alpha1", "ScaledObject")])
+    bad = copy.deepcopy(docs["PrometheusRule"])
+    bad["spec"]["groups"][1]["rules"][0]["fro"] = "5m"  # in an alert too
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, crd_schemas()[("monitoring.coreos.com/v1", "PrometheusRule")])
+
+
+def test_the_vendored_crds_are_the_upstream_blobs_versions_md_records():
+    """Byte for byte: each file's git blob id is the one VERSIONS.md names (upstream's)."""
+    table = [
+        [c.strip(" `") for c in line.strip("|").split("|")]
+        for line in (CRDS / "VERSIONS.md").read_text().splitlines()
+        if line.startswith("| `")
+    ]
+    recorded = {row[0]: row[-1] for row in table}
+    assert set(recorded) == {p.name for p in CRDS.glob("*.yaml")}
+    for name, blob in recorded.items():
+        data = (CRDS / name).read_bytes()
+        assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest() == blob, name
+    operator = {row[4] for row in table if row[0].startswith("monitoring.coreos.com_")}
+    assert len(operator) == 1  # ServiceMonitor and PrometheusRule from one operator commit
 
 
 def test_lint_is_clean():
@@ -219,10 +263,38 @@ def test_rollout_outlasts_the_startup_probe_and_is_settable(values):
     assert (strategy["maxSurge"], strategy["maxUnavailable"]) == (0, 1)
 
 
+# kube-prometheus-stack's defaults (chart 88.5.3, prometheus-community/helm-charts cf408a29,
+# charts/kube-prometheus-stack): its Prometheus selects ServiceMonitors and PrometheusRules with
+# matchLabels release: <its release name> in every namespace (serviceMonitorSelector and
+# ruleSelector {} with ...SelectorNilUsesHelmValues: true, namespace selectors {};
+# templates/prometheus/prometheus.yaml), and its Grafana's dashboard sidecar loads ConfigMaps
+# labelled grafana_dashboard: "1" from every namespace (grafana.sidecar.dashboards.label,
+# labelValue, searchNamespace: ALL) with the datasource uid "prometheus"
+# (grafana.sidecar.datasources.uid).
+KUBE_PROMETHEUS_STACK = {
+    "ServiceMonitor": {"release": "kube-prometheus-stack"},
+    "PrometheusRule": {"release": "kube-prometheus-stack"},
+    "ConfigMap": {"grafana_dashboard": "1"},
+}
+
+
 @pytest.mark.parametrize("values", GPU_VALUES)
 def test_gpu_values_are_selected_by_kube_prometheus_stack(values):
-    """kube-prometheus-stack's Prometheus selects ServiceMonitors labelled release=<its release>
-    (kube-prometheus-stack by default): without it KEDA would see no data."""
+    """Installed as release kube-prometheus-stack, its Prometheus scrapes the pods (without it
+    KEDA would see no data) and loads the rules the dashboard reads, and its Grafana loads the
+    dashboard, whose queries name that Grafana's datasource."""
     v = yaml.safe_load((CHART / values).read_text())
-    sm = by_kind(render(v))["ServiceMonitor"]
-    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    docs = render(v)
+    for kind, match_labels in KUBE_PROMETHEUS_STACK.items():
+        selected = [
+            d
+            for d in docs
+            if d["kind"] == kind and match_labels.items() <= d["metadata"].get("labels", {}).items()
+        ]
+        assert len(selected) == 1, kind
+    cm = by_kind(docs)["ConfigMap/dashboards"]
+    (dash,) = [json.loads(text) for text in cm["data"].values()]
+    sources = {t["datasource"]["uid"] for p in dash["panels"] for t in p["targets"]}
+    sources |= {v["datasource"]["uid"] for v in dash["templating"]["list"]}
+    assert sources == {"prometheus"}
+    assert "grafana_dashboard" not in by_kind(render({}))["ConfigMap"]["metadata"]["labels"]

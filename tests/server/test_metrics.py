@@ -23,6 +23,7 @@ from tests.server.helpers import scrape, total
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "specd.json"
 
 
@@ -170,10 +171,9 @@ def listening_address(prom: subprocess.Popen) -> str:
 def dashboard_queries() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    return [
-        e.replace("$model", ".*").replace("$drafter", ".*").replace("$__rate_interval", "1m")
-        for e in exprs
-    ]
+    for var in ("$namespace", "$pod", "$model", "$drafter"):  # "All" is .*
+        exprs = [e.replace(var, ".*") for e in exprs]
+    return [e.replace("$__rate_interval", "1m") for e in exprs]
 
 
 def rule_names() -> list[str]:
@@ -187,7 +187,10 @@ def rule_names() -> list[str]:
     reason="Debian's prometheus package is not installed (scripts/setup.sh installs it as root)",
 )
 def test_prometheus_rules_and_dashboard_queries_return_data(live):
-    subprocess.run(["promtool", "check", "rules", str(RULES)], check=True, capture_output=True)
+    """...and every alert evaluates without error; the eager-fallback one sees this server's
+    eager target (the fp32 test config does not compile)."""
+    for rules in (RULES, ALERTS):
+        subprocess.run(["promtool", "check", "rules", str(rules)], check=True, capture_output=True)
     subprocess.run(
         ["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
         check=True,
@@ -199,7 +202,7 @@ def test_prometheus_rules_and_dashboard_queries_return_data(live):
             json.dumps(
                 {  # YAML is a superset of JSON
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "rule_files": [str(RULES)],
+                    "rule_files": [str(RULES), str(ALERTS)],
                     "scrape_configs": [
                         {
                             "job_name": "specd",
@@ -249,6 +252,18 @@ def test_prometheus_rules_and_dashboard_queries_return_data(live):
                 except httpx.HTTPError:  # prometheus still starting
                     continue
             assert not missing, f"queries without data: {missing}"
+            rules: dict = {}
+            while time.monotonic() < deadline:  # until each alert has been evaluated
+                groups = httpx.get(api.removesuffix("query") + "rules", timeout=30).json()
+                rules = {r["name"]: r for g in groups["data"]["groups"] for r in g["rules"]}
+                if all(r["health"] != "unknown" for r in rules.values()):
+                    break
+                time.sleep(1)
+            assert len(rules) == len(rule_names()) + 5
+            assert all(r["health"] == "ok" for r in rules.values()), rules
+            assert rules["SpecdEagerFallback"]["state"] in ("pending", "firing")
+            (alert,) = rules["SpecdEagerFallback"]["alerts"]
+            assert alert["labels"]["component"] == "target" and alert["labels"]["path"] == "eager"
         finally:
             prom.terminate()
             prom.wait(10)
