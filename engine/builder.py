@@ -58,11 +58,13 @@ def make_controller(d, drafter) -> KController:
             probe_k=d.probe_k,
             probe_budget=d.probe_budget,
             always_drafts=drafter.samples,  # a model (head, draft model) proposes whenever asked
+            max_leaves=d.tree_leaves if drafter.trees else 0,
         )
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)
     if d.controller == "fixed":
-        return FixedK(min(d.k, d.k_max))
+        k = min(d.k, d.k_max)
+        return FixedK(k, min(d.tree_leaves, d.k_max - k) if drafter.trees else 0)
     raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
 
 

@@ -59,7 +59,10 @@ class DrafterConfig:
     # heuristic (transformers' +2/-1 schedule, starting at k) | fixed (always k)
     controller: str = "adaptive"
     k: int = 4
-    k_max: int = 8  # the largest K any round may draft
+    k_max: int = 8  # the largest K any round may draft (a tree's chain and leaves together)
+    # eagle3 only: draft trees, the chain plus up to this many of the head's runners-up as leaves
+    # (engine/round/draft_tree.py); the controller verifies them where they pay (0: chains only)
+    tree_leaves: int = 0
     min_gain: float = 0.01  # adaptive: speculate only when predicted goodput beats K=0 by this
     probe_interval: int = 2  # adaptive: after this many rounds at K=0, one round drafts probe_k
     probe_k: int = 2

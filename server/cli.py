@@ -139,6 +139,7 @@ def _config(args):
             cfg.drafter.source = source or cfg.drafter.source or DEFAULT_HEAD
     for name, field, cast in (
         ("k_max", "k_max", int),
+        ("tree_leaves", "tree_leaves", int),
         ("max_model_len", "max_model_len", int),
         ("max_running", "max_running", int),
         ("deterministic", "deterministic", str),
@@ -147,7 +148,7 @@ def _config(args):
     ):
         value = _env_or(args, name)
         if value is not None:
-            target = cfg.drafter if name == "k_max" else cfg
+            target = cfg.drafter if name in ("k_max", "tree_leaves") else cfg
             setattr(target, field, cast(value))
     if spec_k is not None and _env_or(args, "k_max") is None:
         cfg.drafter.k_max = spec_k
@@ -303,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
                 "tokenizer, or none (env SPECD_DRAFTER)",
             )
             p.add_argument("--k-max", type=int, help="largest draft length K (env SPECD_K_MAX)")
+            p.add_argument(
+                "--tree-leaves",
+                type=int,
+                help="EAGLE-3 draft trees: up to N of the head's runners-up verified beside its "
+                "chain where the controller finds they pay; 0: chains (env SPECD_TREE_LEAVES)",
+            )
             p.add_argument(
                 "--max-model-len",
                 type=int,

@@ -46,6 +46,8 @@ class Tally:
     drafted: int = 0
     accepted: int = 0
     passes: int = 0
+    leaves: int = 0
+    leaf_accepts: int = 0
 
 
 def _text(out: StepOutput, detok: IncrementalDetokenizer, stops: StopFilter) -> tuple[str, int]:
@@ -141,6 +143,8 @@ class JobRun:
         if out.stats is not None:
             self.tally.drafted += out.stats.drafted
             self.tally.accepted += out.stats.accepted
+            self.tally.leaves += out.stats.leaves
+            self.tally.leaf_accepts += out.stats.leaf_hit
         self.tally.passes += out.passes
 
     def _logprobs(self, out: StepOutput, used: int) -> list[TokenLP] | None:

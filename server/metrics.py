@@ -3,13 +3,18 @@
 Every series carries the labels ``model`` and ``drafter`` and nothing per request (bounded
 cardinality). Counters are exposed with the ``_total`` suffix. Rates belong in PromQL; each metric's
 help names its query, and the same queries ship as recording rules in
-``deploy/prometheus/rules.yml`` (the dashboard, ``deploy/grafana/``, reads those).
+``deploy/prometheus/rules.yml`` (the dashboard, ``deploy/grafana/``, reads those), and the alerts
+on them in ``deploy/prometheus/alerts.yml``.
 
 Speculation (the terms are rejection.py's):
   specd_draft_tokens_total, specd_accepted_tokens_total
       acceptance rate = rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])
   specd_forced_tokens_total
       tokens a grammar forced, drafted for free (engine/round/forced.py) and kept
+  specd_tree_leaves_total, specd_tree_leaf_accepts_total
+      a draft tree's leaves (the head's runners-up verified beside its chain,
+      engine/round/draft_tree.py) and the rounds whose accepted path ended at one (its token is
+      in the accepted counts): leaf yield = rate(..._leaf_accepts_total) / rate(..._leaves_total)
   specd_draft_tokens_by_position_total{position}, specd_accepted_tokens_by_position_total{position}
       acceptance at draft position j = rate(accepted{position="j"}) / rate(draft{position="j"})
   specd_target_passes_total           target forwards per sequence (prefill pass included)
@@ -19,7 +24,7 @@ Speculation (the terms are rejection.py's):
   specd_draft_length                  histogram: K the controller chose, per sequence and round
   specd_round_phase_seconds{phase}    histogram: draft / verify / accept wall time of each round
   specd_drafter_failures_total        drafter exceptions (or malformed proposals); each made its
-      requests fall back to plain decoding (output unchanged): increase(...[1h]) > 0 = alert
+      requests fall back to plain decoding (output unchanged): increase(...[15m]) > 0 = alert
 Serving:
   specd_output_tokens_total, specd_prompt_tokens_total
       output tok/s = rate(specd_output_tokens_total[1m])
@@ -117,6 +122,15 @@ class Metrics:
             "Tokens a grammar forced, verified as free drafts and kept (not in the drafted or "
             "accepted counts).",
         )
+        self._leaves = counter(
+            "specd_tree_leaves",
+            "Draft-tree leaves verified beside the chains (the head's runners-up).",
+        )
+        self._leaf_accepts = counter(
+            "specd_tree_leaf_accepts",
+            "Rounds whose accepted path ended at a draft-tree leaf (its token is counted in "
+            "specd_accepted_tokens_total).",
+        )
         self._drafted_pos = counter(
             "specd_draft_tokens_by_position",
             "Drafted tokens by draft position (1 = first drafted token).",
@@ -177,7 +191,8 @@ class Metrics:
         self._drafter_failures = counter(
             "specd_drafter_failures",
             "Drafter exceptions or malformed proposals; each made its "
-            "requests fall back to plain decoding (output unchanged). increase(...[1h]) > 0: alert",
+            "requests fall back to plain decoding (output unchanged). "
+            "increase(...[15m]) > 0: alert",
         )
         self._tpp = hist(
             "specd_tokens_per_pass",
@@ -271,6 +286,8 @@ class Metrics:
             "spec_decode_num_drafts", "Sequence rounds that drafted"
         ).labels(model)
         self.forced = self._forced.labels(**lab)
+        self.leaves = self._leaves.labels(**lab)
+        self.leaf_accepts = self._leaf_accepts.labels(**lab)
         self.passes = self._passes.labels(**lab)
         self.output_tokens = _Twin(
             self._out.labels(**lab),
@@ -333,6 +350,8 @@ class Metrics:
             self.drafted.inc(st.drafted)
             self.accepted.inc(st.accepted)
             self.forced.inc(st.forced)
+            self.leaves.inc(st.leaves)
+            self.leaf_accepts.inc(st.leaf_hit)
             for j in range(min(st.drafted, len(self.drafted_pos))):
                 self.drafted_pos[j].inc()
             for j in range(min(st.accepted, len(self.accepted_pos))):

@@ -162,9 +162,11 @@ class ChatCompletionRequest(_Sampling):
 
 # -- responses ------------------------------------------------------------------------------
 class SpeculationUsage(BaseModel):
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
+    drafted_tokens: int = 0  # the chains' drafts
+    accepted_tokens: int = 0  # of them and of the leaves, kept
     target_passes: int = 0
+    tree_leaves: int = 0  # draft-tree leaves verified beside the chains (the head's runners-up)
+    leaf_accepts: int = 0  # rounds whose accepted path ended at a leaf
 
 
 class PromptTokensDetails(BaseModel):

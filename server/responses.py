@@ -37,7 +37,11 @@ def usage(run: JobRun) -> P.Usage:
         total_tokens=t.prompt_tokens + t.completion_tokens,
         prompt_tokens_details=P.PromptTokensDetails(cached_tokens=t.cached_tokens),
         speculation=P.SpeculationUsage(
-            drafted_tokens=t.drafted, accepted_tokens=t.accepted, target_passes=t.passes
+            drafted_tokens=t.drafted,
+            accepted_tokens=t.accepted,
+            target_passes=t.passes,
+            tree_leaves=t.leaves,
+            leaf_accepts=t.leaf_accepts,
         ),
     )
 

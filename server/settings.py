@@ -88,6 +88,7 @@ OTHER_ENV = {
     "DEVICE",
     "DRAFTER",
     "K_MAX",
+    "TREE_LEAVES",
     "MAX_MODEL_LEN",
     "MAX_RUNNING",
     "DETERMINISTIC",

@@ -21,10 +21,23 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Alternatives:
+    """The runners-up of each drafted token, for a draft tree (engine/round/draft_tree.py):
+    candidates drawn after d_{j+1} from the same q, in the order drawn (a sampled row's are a
+    sample of q without replacement, its first draw d_{j+1} itself)."""
+
+    tokens: torch.Tensor  # [batch, K', S] long: the alternatives to d_{j+1}, in order
+    # [batch, K', S] float: each one's worth as a tree node (its estimated chance of being
+    # accepted); -inf: none. Within a position, decreasing in the order drawn
+    values: torch.Tensor
+
+
+@dataclass
 class Proposal:
     tokens: torch.Tensor  # [batch, K] long on the target's device, padded past num[b]
     num: list[int]  # drafted tokens per row (<= the K asked for; may be 0)
     probs: torch.Tensor | None  # [batch, K, vocab] draft distribution; None = one-hot q
+    alternatives: Alternatives | None = None  # asked by plan.siblings; K' <= K
 
 
 class Drafter(Protocol):
@@ -36,6 +49,12 @@ class Drafter(Protocol):
     @property
     def samples(self) -> bool:
         """It samples from a distribution (the plan draws noise per drafted position)."""
+        ...
+
+    @property
+    def trees(self) -> bool:
+        """It proposes ``Alternatives`` when ``plan.alternatives`` asks (a draft tree's leaves,
+        engine/round/draft_tree.py)."""
         ...
 
     @property
@@ -106,6 +125,7 @@ class DrafterBase:
 
     name: str = "drafter"
     samples: bool = False
+    trees: bool = False
     runner: ModelRunner | None = None
     taps: tuple[int, ...] = ()
 

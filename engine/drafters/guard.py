@@ -100,4 +100,13 @@ def well_formed(prop: Proposal, ks: list[int]) -> bool:
         and t.shape[1] >= max(prop.num + [0])
         and t.shape[1] <= max(ks + [0])
         and (prop.probs is None or tuple(prop.probs.shape[:2]) == tuple(t.shape))
+        and (
+            prop.alternatives is None
+            or (
+                prop.alternatives.tokens.shape == prop.alternatives.values.shape
+                and prop.alternatives.tokens.dim() == 3
+                and prop.alternatives.tokens.shape[0] == b
+                and prop.alternatives.tokens.shape[1] <= t.shape[1]
+            )
+        )
     )

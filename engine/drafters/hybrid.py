@@ -27,6 +27,7 @@ from engine.round.plan import RoundPlan
 class HybridDrafter(DrafterBase):
     name = "eagle3+ngram"
     samples = True  # the head's rows sample
+    trees = True  # the head's rows
 
     def __init__(self, eagle: EagleDrafter, min_match: int = 3, max_n: int = 4):
         if not 1 <= min_match <= max_n:
@@ -76,4 +77,4 @@ class HybridDrafter(DrafterBase):
         prop = self.eagle.propose(seqs, replace(plan, ks=head_ks))
         # a copied row was asked for nothing: its copy goes in as a one-hot run, like a forced one
         tokens, num, probs = with_forced(prop.tokens, prop.num, prop.probs, copies)
-        return Proposal(tokens, num, probs)
+        return Proposal(tokens, num, probs, prop.alternatives)  # a copied row has none

@@ -68,7 +68,8 @@ import numpy as np
 from engine.kcontrol.calibration import calibrate
 from engine.kcontrol.cost import CostModel, RoundCost
 from engine.kcontrol.probe import Prober
-from engine.kcontrol.state import KState
+from engine.kcontrol.state import KState, leaf_reach
+from engine.round.draft_tree import may_grow
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -107,6 +108,11 @@ class KController:
         """The row's K for this round, 0 <= K <= ``cap``."""
         raise NotImplementedError
 
+    def leaves_for(self, seq: Sequence, k: int, cap: int) -> int:
+        """Leaves of the row's draft tree beside its chain of ``k`` (round/draft_tree.py), 0 <=
+        L <= ``cap``; 0: a chain. Asked only of rows that may grow one (``may_grow``)."""
+        return 0
+
     def expects_drafts(self) -> bool:
         """Whether rows are likely to draft soon (False: a drafter may postpone what only
         drafting needs, drafters/base.py ``add``)."""
@@ -142,12 +148,15 @@ def pinned_k(seq: Sequence, cap: int) -> int | None:
 class FixedK(KController):
     name = "fixed"
 
-    def __init__(self, k: int):
-        self.k = k
+    def __init__(self, k: int, leaves: int = 0):
+        self.k, self.leaves = k, leaves
 
     def k_for(self, seq, cap):
         pinned = pinned_k(seq, cap)
         return min(self.k, cap) if pinned is None else pinned
+
+    def leaves_for(self, seq, k, cap):
+        return min(self.leaves, cap) if k > 0 else 0
 
     def expects_drafts(self):
         return self.k > 0
@@ -196,8 +205,10 @@ class AdaptiveK(KController):
         cost: CostModel | None = None,
         always_drafts: bool = False,
         price_catch_up: bool = True,
+        max_leaves: int = 0,
     ):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
+        self.max_leaves = max_leaves  # a draft tree's most leaves (0: chains only)
         self.always_drafts = always_drafts  # m = 1: the drafter proposes whenever asked
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
         self.price_catch_up = price_catch_up  # False: fitted, not priced (a benchmark's mode)
@@ -206,10 +217,12 @@ class AdaptiveK(KController):
         self.widths = np.arange(k_max + 1)  # [K_max + 1] candidate widths w
         self.calibrated = cost is not None  # an injected cost model needs no calibration
         self._k_next: int | None = None  # K* for the next round
+        self._leaves_next = 0  # L* for the next round's rows that may grow a tree
         self._reset_sums()
 
     def _reset_sums(self) -> None:
-        self._adaptive: list[tuple[float, float, int]] = []  # (α_i, m_i, cap_i) of rows it decides
+        # (α_i, m_i, cap_i, β_i) of the rows it decides; β_i = 0: the row may not grow a tree
+        self._adaptive: list[tuple[float, float, int, float]] = []
         self._pinned_tokens = 0.0  # Σ_i E_i of the rows whose K is fixed
         self._rows = 0
         self._pinned_width = 0
@@ -222,28 +235,33 @@ class AdaptiveK(KController):
         if pinned is not None:
             return pinned
         if self._k_next is None:  # nothing measured yet: decide for this row alone
-            self._add_row(seq.kstate, None, cap)
+            self._add_row(seq.kstate, None, cap, may_grow(seq))
             self._k_next = self._decide()
             self._reset_sums()
         return min(self._k_next, cap)
+
+    def leaves_for(self, seq, k, cap):
+        return min(self._leaves_next, cap) if k > 0 and pinned_k(seq, k) is None else 0
 
     def expects_drafts(self):
         return self._k_next is None or self._k_next > 0  # K* of the next round
 
     def observe(self, seq, k, stats, next_cap):
         st = seq.kstate
-        st.update(k, stats.drafted, stats.accepted, self.decay)
+        chain = stats.accepted - stats.leaf_hit  # α is the chain's: a leaf is counted apart
+        st.update(k, stats.drafted, chain, self.decay)
+        st.update_leaves(stats.leaves, chain < stats.drafted, stats.leaf_hit > 0, self.decay)
         if next_cap is not None:
-            self._add_row(st, pinned_k(seq, next_cap), next_cap)
+            self._add_row(st, pinned_k(seq, next_cap), next_cap, may_grow(seq))
 
-    def _add_row(self, st: KState, pinned: int | None, cap: int) -> None:
+    def _add_row(self, st: KState, pinned: int | None, cap: int, grows: bool = False) -> None:
         """Add one row to the batch sums that :meth:`_decide` weighs."""
         self._rows += 1
         match = 1.0 if self.always_drafts else st.match
         if pinned != 0:  # a row that will not draft never widens the verify
             self._p_none *= 1.0 - match
         if pinned is None:
-            self._adaptive.append((st.alpha, match, cap))
+            self._adaptive.append((st.alpha, match, cap, st.leaf_rate if grows else 0.0))
             self._states.append(st)
         elif pinned == 0:
             self._pinned_tokens += 1.0
@@ -297,10 +315,38 @@ class AdaptiveK(KController):
         seconds = plain + (1.0 - self._p_none) * (seconds - plain)  # T̄: rounds without a draft
         tokens = np.full(len(widths), self._pinned_tokens)  # Σ_i E_i(min(w, cap_i)) per w
         if self._adaptive:  # every row at once: [rows, 1] against [rows, widths]
-            a, m, cap = (np.array(c)[:, None] for c in zip(*self._adaptive))
+            a, m, cap, _ = (np.array(c)[:, None] for c in zip(*self._adaptive))
             tokens += expected_tokens(a, m, np.minimum(self.widths[None, :], cap)).sum(0)
         goodput = tokens / seconds
         best = int(np.argmax(goodput))
         if goodput[best] < goodput[0] * (1.0 + self.min_gain):
             best = 0
-        return self.prober.decide(best, batch, seconds[self.prober.k] / seconds[0] - 1.0)
+        self._leaves_next = 0
+        if best and self.max_leaves:
+            best = self._grow(batch, widths, seconds, tokens, best)
+        decided = self.prober.decide(best, batch, seconds[self.prober.k] / seconds[0] - 1.0)
+        if decided != best:  # a probe drafts a chain
+            self._leaves_next = 0
+        return decided
+
+    def _grow(self, batch, widths, seconds, tokens, best: int) -> int:
+        """Trees beside the chains (round/draft_tree.py): L leaves cost the verify L more
+        queries, T(B, K + L) - T(B, K), and add to a row that may grow one the chance that a
+        round whose chain was cut short ends at a leaf, m·(1 - α^K)·β·leaf_reach(L) (state.py):
+        the (K, L) of best goodput with K + L <= K_max, where it beats the chains' ``best`` by
+        the factor 1 + ``min_gain``. Sets ``_leaves_next``; returns K*."""
+        a, m, cap, beta = (np.array(c) for c in zip(*self._adaptive))
+        if not beta.any():
+            return best
+        rest = [self.cost.predict(batch, int(w), 0) for w in widths]  # the verify's part
+        top, best_gp = best, tokens[best] / seconds[best] * (1.0 + self.min_gain)
+        for k in range(1, self.k_max):
+            ks = np.minimum(k, cap)
+            cut = m * (1.0 - np.minimum(a, 1.0) ** ks) * (ks > 0)  # [rows]
+            for leaves in range(1, min(self.max_leaves, self.k_max - k) + 1):
+                gain = float(np.minimum(cut * beta * leaf_reach(leaves), 1.0).sum())
+                extra = (1.0 - self._p_none) * (rest[k + leaves] - rest[k])
+                gp = (tokens[k] + gain) / (seconds[k] + extra)
+                if gp > best_gp:
+                    top, best_gp, self._leaves_next = k, gp, leaves
+        return top

@@ -30,6 +30,15 @@ from dataclasses import dataclass
 ALPHA_PRIOR, ALPHA_PRIOR_WEIGHT = 0.5, 1.0
 MATCH_PRIOR, MATCH_PRIOR_WEIGHT = 0.5, 1.0
 IDLE_DECAY = 0.85  # a K = 0 round keeps this much of a row's acceptance evidence
+# a draft tree's leaves (engine/round/draft_tree.py): the chance β that a round whose chain was
+# cut short ends at a leaf instead, per unit of leaf_reach(L) (the prior and its weight, rounds)
+LEAF_PRIOR, LEAF_PRIOR_WEIGHT = 0.2, 2.0
+LEAF_DECAY = 0.5  # the L-th leaf adds LEAF_DECAY^(L-1) to L-1's reach: the best go first
+
+
+def leaf_reach(leaves):
+    """Σ_{l<L} LEAF_DECAY^l: how far L leaves reach, in units of the first's (array or scalar)."""
+    return (1.0 - LEAF_DECAY**leaves) / (1.0 - LEAF_DECAY)
 
 
 @dataclass
@@ -42,6 +51,8 @@ class KState:
     asked: float = 0.0  # decayed rounds with K > 0
     heuristic_k: int | None = None  # HeuristicK's current K
     backlog: int = 0  # positions beyond one the drafter would take in first (set after commit)
+    leaf_hits: float = 0.0  # decayed rounds cut short that ended at a leaf (a tree's)
+    leaf_tries: float = 0.0  # decayed leaf_reach(L) of the tree rounds whose chain was cut short
 
     @property
     def alpha(self) -> float:
@@ -52,6 +63,20 @@ class KState:
     @property
     def match(self) -> float:
         return (self.matched + MATCH_PRIOR * MATCH_PRIOR_WEIGHT) / (self.asked + MATCH_PRIOR_WEIGHT)
+
+    @property
+    def leaf_rate(self) -> float:
+        """β: a cut-short tree round ends at a leaf with chance β·leaf_reach(L)."""
+        return (self.leaf_hits + LEAF_PRIOR * LEAF_PRIOR_WEIGHT) / (
+            self.leaf_tries + LEAF_PRIOR_WEIGHT
+        )
+
+    def update_leaves(self, leaves: int, cut_short: bool, hit: bool, decay: float) -> None:
+        """A tree round of ``leaves`` leaves whose chain was ``cut_short`` (a draft rejected:
+        only then can a leaf be taken), ending at a leaf or not."""
+        if leaves > 0 and cut_short:
+            self.leaf_hits = decay * self.leaf_hits + hit
+            self.leaf_tries = decay * self.leaf_tries + float(leaf_reach(leaves))
 
     def update(self, asked_k: int, drafted: int, accepted: int, decay: float) -> None:
         """Record one round that asked for ``asked_k`` tokens, got ``drafted`` from the drafter

@@ -53,6 +53,8 @@ class RoundStats:
     width: int = 0  # the batch's padded draft width (the verify fed width + 1 tokens per row)
     accept_s: float = 0.0  # wall time of the batch's accept phase (rejection rule + host sync)
     forced: int = 0  # tokens the grammar forced that were drafted for free and kept (forced.py)
+    leaves: int = 0  # a draft tree's leaves verified beside the chain (round/draft_tree.py)
+    leaf_hit: int = 0  # 1: the accepted path ended at a leaf (counted in ``accepted``)
 
 
 @dataclass
@@ -90,6 +92,8 @@ class Sequence:
     drafted: int = 0
     accepted: int = 0
     target_passes: int = 0
+    tree_rounds: int = 0  # rounds verified as a draft tree (round/draft_tree.py)
+    leaf_hits: int = 0  # of them, rounds whose accepted path ended at a leaf
     kstate: KState = field(default_factory=KState)  # the K controller's view of this request
     # with params.prompt_logprobs: per prompt token (None for the first) its log-probability
     # under the model and its top alternatives, filled chunk by chunk as the prompt is prefilled

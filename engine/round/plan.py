@@ -36,6 +36,9 @@ class RoundPlan:
     uniforms: torch.Tensor  # [batch, K] acceptance draws
     # [batch, vocab] Exp(1), for the recovered / bonus sample; None when every row is greedy
     noise: torch.Tensor | None
+    # runners-up the drafter adds to each drafted token (Proposal.alternatives), for the rows
+    # the round verifies as trees (engine/round/draft_tree.py); 0: chains only
+    alternatives: int = 0
 
     @property
     def num_zero(self) -> torch.Tensor:

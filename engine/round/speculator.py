@@ -34,6 +34,7 @@ from engine.kcontrol.timing import PhaseClock
 from engine.model.runner import ModelRunner
 from engine.requests.scheduler import Scheduler
 from engine.requests.sequence import RoundStats, Sequence, Status
+from engine.round.draft_tree import grow, may_grow, settle
 from engine.round.forced import forced_run, with_forced
 from engine.round.grammar import advance, apply_grammar
 from engine.round.output import StepOutput, make_output, to_host
@@ -41,6 +42,7 @@ from engine.round.penalties import apply_penalties
 from engine.round.plan import RoundPlan, make_plan
 from engine.round.rejection import rejection_sample
 from engine.round.sampling import logits_to_probs
+from engine.round.tree import tree_accept
 from engine.transfer import to_device
 
 AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # rejection_sample's signature
@@ -74,6 +76,8 @@ class Speculator:
         forced = [forced_run(s, cap) for s, cap in zip(seqs, caps)]
         asked = [0 if f else self.controller.k_for(s, cap) for s, cap, f in zip(seqs, caps, forced)]
         plan = self._plan(seqs, [len(f) or k for f, k in zip(forced, asked)])
+        leaves = self._leaves(seqs, asked, plan.ks, invariant)  # a tree's leaves per row
+        plan.alternatives = max(leaves)
         # 2. propose
         clock = PhaseClock(self.device)  # the draft and verify phases' device time
         clock.mark()
@@ -89,32 +93,53 @@ class Speculator:
         if any(forced):
             drafts, num_draft, draft_probs = with_forced(drafts, num_draft, draft_probs, forced)
         kmax = drafts.shape[1]
+        tree = None  # the round's draft trees (draft_tree.py), where some row grows one
+        if prop is not None and prop.alternatives is not None and kmax:
+            leaves = [n_l if n else 0 for n_l, n in zip(leaves, num_draft)]
+            if any(leaves):
+                tree = grow(drafts, num_draft, draft_probs, prop.alternatives, leaves)
         clock.mark()
-        # 3. verify: one target pass over [last token, d_1..d_K] per row
-        verify_ids = torch.cat([plan.last, drafts], dim=1)  # [batch, K+1]
-        counts = [n + 1 for n in num_draft]
+        # 3. verify: one target pass over [last token, d_1..d_K] per row, or its tree's nodes
+        nodes = tree.tokens if tree is not None else drafts  # [batch, n]
+        verify_ids = torch.cat([plan.last, nodes], dim=1)  # [batch, n+1]
+        counts = [1 + (nodes.shape[1] if n_l else n) for n_l, n in zip(leaves, num_draft)]
         slots = [s.slot for s in seqs]
-        logits, tapped = self.target.forward(verify_ids, slots, counts, "all", invariant)
-        if self.drafter is not None:  # the target's features of these positions (EAGLE-3)
-            starts = [s.num_tokens - 1 for s in seqs]
-            self.drafter.observe(seqs, tapped, starts, counts)
-        logits = self._process(logits, seqs, drafts, num_draft)  # [batch, K+1, vocab]
+        shape = {"tree": tree.tree} if tree is not None else {}  # (else causal: a chain)
+        logits, tapped = self.target.forward(verify_ids, slots, counts, "all", invariant, **shape)
+        logits = self._process(logits, seqs, nodes, num_draft)  # [batch, n+1, vocab]
         top_n = self._top_n(seqs)
-        probs = self._probs(logits, plan, top_n)  # [batch, K+1, vocab]
+        probs = self._probs(logits, plan, top_n)  # [batch, n+1, vocab]
         clock.mark()
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync
-        num_t = to_device(num_draft, torch.long, self.device)
-        uniforms = plan.uniforms[:, :kmax]
-        num_acc, next_tok = self.accept(
-            probs, drafts, num_t, draft_probs, plan.greedy, uniforms, plan.noise
-        )
-        rows = to_host(probs, drafts, num_acc, next_tok, top_n)
+        starts = [s.num_tokens - 1 for s in seqs]  # each row's verify starts at its last token
+        leaf_hit = None
+        if tree is None:
+            num_t = to_device(num_draft, torch.long, self.device)
+            uniforms = plan.uniforms[:, :kmax]
+            num_acc, next_tok = self.accept(
+                probs, drafts, num_t, draft_probs, plan.greedy, uniforms, plan.noise
+            )
+        else:  # the tree rule; the accepted paths laid out as chains (draft_tree.py)
+            uniforms = plan.uniforms[:, :kmax]
+            if plan.noise is not None:  # the leaves' draws: tree rows are never seeded
+                more = nodes.shape[1] - kmax
+                leaf_u = torch.rand(len(seqs), more, generator=self.rng, device=self.device)
+                uniforms = torch.cat([uniforms, leaf_u], dim=1)
+            path, num_acc, next_tok = tree_accept(
+                probs, nodes, tree.parents, tree.valid, tree.q, plan.greedy, uniforms,
+                plan.noise, kmax, tree.width,
+            )  # fmt: skip
+            st = settle(tree, path, num_acc, probs, tapped, self.target.cache, slots, starts)
+            drafts, probs, tapped, leaf_hit = st
+        if self.drafter is not None:  # the target's features of the kept layout (EAGLE-3)
+            self.drafter.observe(seqs, tapped, starts, [n + 1 for n in num_draft])
+        rows = to_host(probs, drafts, num_acc, next_tok, top_n, leaf_hit)
         t2 = time.perf_counter()
         draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
         # 5. commit / rollback
         outputs = []
-        for s, k, n, f, row in zip(seqs, asked, num_draft, forced, rows):
+        for s, k, n, f, row, n_l in zip(seqs, asked, num_draft, forced, rows, leaves):
             kept = row.accepted
             # a forced run is the grammar's draft, not the drafter's: counted apart
             nd, a, free = (0, 0, kept) if f else (n, kept, 0)
@@ -126,6 +151,8 @@ class Speculator:
             emitted = self.scheduler.postprocess(s, row.drafts[:kept] + [row.next_token])
             advance(s, emitted)
             stats = RoundStats(k, nd, a, len(emitted), draft_s, verify_s, kmax, t2 - tv, free)
+            stats.leaves, stats.leaf_hit = n_l, row.leaf_hit
+            s.tree_rounds, s.leaf_hits = s.tree_rounds + (n_l > 0), s.leaf_hits + row.leaf_hit
             next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
             self.controller.observe(s, k, stats, next_cap)
             outputs.append(make_output(s, emitted, stats, row))
@@ -139,6 +166,23 @@ class Speculator:
         rest_s = (t3 - t_start) - draft_s
         self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up)
         return outputs
+
+    def _leaves(
+        self, seqs: list[Sequence], asked: list[int], ks: list[int], invariant: bool
+    ) -> list[int]:
+        """Each row's draft-tree leaves (0: a chain): asked of the controller for the rows that
+        draft and may grow one, within the verify's widest shape (K_max + 1 queries: the
+        compiled shapes and the KV budget's lookahead) and the context."""
+        widest = max(ks + [0])
+        if invariant or not widest or self.drafter is None or not self.drafter.inner.trees:
+            return [0] * len(seqs)
+        room = self.k_max - widest  # leaf columns follow the widest chain's
+        out = []
+        for s, k in zip(seqs, asked):
+            cap = min(room, self.target.max_len - s.num_tokens - widest)
+            ok = k > 0 and cap > 0 and may_grow(s)
+            out.append(self.controller.leaves_for(s, k, cap) if ok else 0)
+        return out
 
     def _note_backlogs(self, seqs: list[Sequence]) -> None:
         """Each row's drafter backlog, read once its drafter state changed (k_control.py prices

@@ -64,11 +64,17 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
+def without(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """q ``[batch, vocab]`` (unnormalised) with the rejected candidates ``x`` ``[batch]`` taken
+    out: what the next sibling was drawn from (the rule's q_i)."""
+    return q.scatter(-1, x[:, None], 0.0)
+
+
 def tree_accept(
     target_probs: torch.Tensor,  # [batch, n+1, vocab] p at the root (0) and after node i (i+1)
     tokens: torch.Tensor,  # [batch, n] long: each node's drafted token
     parents: torch.Tensor,  # [batch, n] long: each node's parent (-1: root); parents[i] < i
-    num_nodes: torch.Tensor,  # [batch] long: the row's nodes (the rest is padding)
+    valid: torch.Tensor,  # [batch, n] bool: the row's nodes (the rest is padding)
     draft_probs: torch.Tensor | None,  # [batch, n+1, vocab] q its children were drawn from;
     # None: every row is greedy
     greedy: torch.Tensor,  # [batch] bool
@@ -83,7 +89,7 @@ def tree_accept(
     batch, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(batch, device=dev)
-    real = torch.arange(n, device=dev)[None, :] < num_nodes[:, None]  # [batch, n]
+    real = valid
     cur = torch.full((batch,), -1, dtype=torch.long, device=dev)  # the node a row stands at
     walking = torch.ones(batch, dtype=torch.bool, device=dev)
     path = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)  # last: scratch
@@ -113,7 +119,7 @@ def tree_accept(
                 mass = residual.sum(-1, keepdim=True)
                 residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
                 p = torch.where(reject[:, None], residual, p)
-                q = torch.where(reject[:, None], q.scatter(-1, x[:, None], 0.0), q)
+                q = torch.where(reject[:, None], without(q, x), q)
             else:
                 ok = argmax_ok & trying
             accepted |= ok

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from engine.drafters import model as draft_model_module
-from engine.kcontrol.controller import AdaptiveK
+from engine.drafters.eagle.drafter import RunnersUp
+from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.requests.sequence import SpecParams
+from engine.round import tree as tree_module
 from engine.round.rejection import rejection_sample
 from engine.round.sampling import SamplingParams
 from tests.distribution import (
@@ -376,6 +378,94 @@ def test_eos_at_temperature_ends_outputs_there_with_the_target_lengths(models, d
         assert cut and all(o.finished and o.finish_reason == "stop" for o in cut)
     exact = exact_joint(models[0], PROMPT, max_tokens, 0.9, 3, 1.0, stop=[EOS])
     assert_fits(outputs(seqs), exact, f"EOS, {drafter}")
+
+
+# -- draft trees: the EAGLE-3 head's chain plus its runners-up as leaves (round/draft_tree.py) ----
+LEAVES = 3  # leaves beside the chain of K = 4 (the verify's 8 nodes)
+
+
+@pytest.fixture(scope="module")
+def tree_target():
+    """A 3-layer tiny target: an EAGLE-3 head taps three distinct layers."""
+    return sharp_tiny(1, V, layers=3)
+
+
+@pytest.fixture(scope="module")
+def tree_joint(tree_target):
+    memo = {}
+
+    def get(temperature, top_k, top_p):
+        key = (temperature, top_k, top_p)
+        if key not in memo:
+            memo[key] = exact_joint(tree_target, PROMPT, MAX_TOKENS, temperature, top_k, top_p)
+        return memo[key]
+
+    return get
+
+
+def tree_head(target):
+    """A random EAGLE-3 head for the tiny target, its draft vocabulary 6 of the 8 tokens (q is
+    zero outside it: runners-up past q's support are none)."""
+    from tests.eagle_builders import random_head
+
+    t = target.config
+    return random_head(5, vocab=V, draft_vocab=6, layers=t.num_hidden_layers, hidden=t.hidden_size)
+
+
+def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None):
+    """``n`` unseeded requests (a seeded row stays a chain: draft_tree.may_grow) with trees of
+    ``LEAVES`` leaves at K; the engine's seed source fixed. ``wrong(monkeypatch)`` breaks it."""
+    monkeypatch.setattr(secrets, "randbits", random.Random(23).getrandbits)
+    if wrong is not None:
+        wrong(monkeypatch)
+    engine = engine_for(
+        target, "eagle3", **SIZES, head=tree_head(target), controller=FixedK(K, LEAVES)
+    )
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    seqs = engine.generate([PROMPT] * n, params, SpecParams(k=K))
+    assert_speculated(seqs, min_drafted=n)
+    trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+    assert trees >= n and hits > n // 100, (trees, hits)  # trees ran; leaves were taken
+    return seqs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p,n", [(1.0, 0, 1.0, N), (0.8, 5, 0.9, N)])
+def test_draft_trees_match_target_distribution(
+    tree_target, tree_joint, monkeypatch, temperature, top_k, top_p, n
+):
+    seqs = sample_trees(tree_target, monkeypatch, temperature, top_k, top_p, n)
+    assert_fits(outputs(seqs), tree_joint(temperature, top_k, top_p), f"trees T={temperature}")
+
+
+def siblings_against_q(monkeypatch):
+    """The tree rule trying each sibling against q itself, not q with the rejected candidates
+    taken out (over-accepts the second candidate)."""
+    monkeypatch.setattr(tree_module, "without", lambda q, x: q)
+
+
+def runners_up_by_rank(monkeypatch):
+    """The leaves are q's top candidates after the draft, not the race's next arrivals (not a
+    sample of q without replacement)."""
+    take = RunnersUp.take
+
+    def by_rank(self, keys, q, row_t, j, greedy, ids=None):
+        pick = take(self, keys, q, row_t, j, greedy, ids)
+        first = keys.argmax(-1)  # the draft, in q's own indexing
+        after = q.scatter(-1, first[:, None], -1.0).topk(self.width, dim=-1).indices
+        self.tokens[row_t, j] = after if ids is None else ids[after]
+        return pick
+
+    monkeypatch.setattr(RunnersUp, "take", by_rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrong", [siblings_against_q, runners_up_by_rank])
+def test_the_test_rejects_wrong_tree_rules(tree_target, tree_joint, monkeypatch, wrong):
+    seqs = sample_trees(tree_target, monkeypatch, 1.0, 0, 1.0, N_POWER, wrong=wrong)
+    assert_rejects(outputs(seqs), tree_joint(1.0, 0, 1.0), wrong.__name__)
 
 
 # -- ... and the same test rejects wrong engines ------------------------------------------------

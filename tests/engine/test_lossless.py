@@ -105,6 +105,60 @@ def test_eagle_head_under_adaptive_k_is_lossless(real_fp32, prompts, reference, 
     assert engine.target.cache.used_tokens() == 0 and engine.drafter.cache.used_tokens() == 0
 
 
+def test_eagle_trees_are_lossless_and_both_caches_follow_the_path(
+    real_fp32, prompts, reference, head
+):
+    """Draft trees (the head's chain of K = 3 plus 4 of its runners-up as leaves) in a ragged
+    batch with chains beside them (seeded rows stay chains: draft_tree.may_grow): greedy output
+    is the reference's; after every round the target's cache equals a fresh prefill and the
+    head's pending features are the target's fresh features of the same positions, after paths
+    that ended at a leaf deep in the tree and at the root's."""
+    from engine.kcontrol.controller import FixedK
+
+    engine = helpers.engine_for(
+        real_fp32[0], "eagle3", slots=8, max_len=1024, head=head, controller=FixedK(3, 4)
+    )
+    target, eagle = engine.target, engine.drafter
+    spare = 7  # a slot no request takes (4 requests), for the fresh forwards
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, seed=7 if i == 2 else None)
+        for i in range(4)
+    ]
+    seqs = [
+        engine.add_request(f"r{i}", p, g, SpecParams(k=3))
+        for i, (p, g) in enumerate(zip(prompts[4:], params))  # the shorter (HumanEval)
+    ]
+    hits, checked = set(), 0
+    while engine.has_work():
+        for out in engine.step():
+            if out.stats is not None and out.stats.leaf_hit:
+                hits.add("deep" if out.stats.accepted > 1 else "root")
+        for s in seqs[1:3]:  # a tree and the chain beside it (the fresh forwards' time)
+            if s.status is not Status.RUNNING or not s.output_ids:  # (or still prefilling)
+                continue
+            toks = s.tokens
+            assert target.cache.lengths[s.slot] == len(toks) - 1
+            got = target.forward([toks[-1:]], [s.slot]).logits[0]
+            target.cache.allocate(spare)
+            fresh = target.forward([toks], [spare])
+            target.cache.free(spare)
+            torch.testing.assert_close(got, fresh.logits[0], atol=2e-4, rtol=1e-4)
+            # the head's pending features: positions [skipped + real, len - 1) of the sequence
+            first = eagle.skipped[s.slot] + eagle.real[s.slot]
+            if eagle.pending_n[s.slot]:
+                pend = torch.cat(eagle.pending[s.slot])
+                want = fresh.tapped[0, first : len(toks) - 1]
+                torch.testing.assert_close(pend.float(), want.float(), atol=2e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 10 and hits == {"deep", "root"}, (checked, hits)
+    assert_same(seqs, reference[4:])
+    helpers.assert_speculated(seqs)
+    trees = [s.tree_rounds for s in seqs]
+    assert all(t > 0 for s, t in zip(seqs, trees) if s.params.seed is None)
+    assert all(t == 0 for s, t in zip(seqs, trees) if s.params.seed is not None)  # chains
+    assert engine.drafter_failures == 0
+
+
 def test_self_draft_accepts_everything(real_fp32, prompts, reference):
     engine = real_engine(real_fp32, "self")
     rounds = []

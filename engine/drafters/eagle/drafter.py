@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.base import Alternatives, DrafterBase, Proposal
 from engine.drafters.chain import Position, RowParams, draft_chain
 from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.head import Eagle3Head
@@ -56,8 +56,44 @@ KV_ALIGN = 16  # keys read per call rounded up to this (masked past each row's p
 WINDOW = 16  # pending positions a row keeps at K = 0 (up to twice as many); older ones skipped
 
 
+class RunnersUp:
+    """Each drafted token's runners-up while the chain is drafted (a draft tree's candidate
+    siblings, engine/round/draft_tree.py): ranking a position's weights ``keys`` (q itself for
+    a greedy row; q / E for a sampled one, the exponential race whose first arrival is the draft)
+    puts the draft first and the runners-up after it in the order drawn, so a sampled row's
+    runners-up are a sample of q without replacement, as the tree's rule needs.
+
+    Worth of a runner-up at position j (its chance of being accepted, as :func:`grow` ranks
+    nodes): the head's probability of the chain before it times, for a greedy row, its own q; for
+    a sampled row a guess that reads no runner-up's own draw, (1 - q(draft)) / 2^r for the r-th
+    (which runners-up a tree keeps must not depend on their draws: a kept one would no longer be
+    distributed as q given the draws before it). Zero-q candidates (past q's support) are none."""
+
+    def __init__(self, batch: int, kmax: int, width: int, device: torch.device):
+        self.width = width
+        self.tokens = torch.zeros(batch, kmax, width, dtype=torch.long, device=device)
+        self.values = torch.full((batch, kmax, width), float("-inf"), device=device)
+        self.path = torch.ones(batch, device=device)  # [batch] q of the chain drafted so far
+        self.decay = 0.5 ** torch.arange(1, width + 1, device=device)  # [S]
+
+    def take(self, keys, q, row_t, j, greedy, ids=None) -> torch.Tensor:
+        """Rank ``keys`` ``[rows, V]`` (q ``[rows, V]``, ``ids``: V's target ids, None: the
+        identity); record position j's runners-up; returns the drafted tokens ``[rows]``."""
+        top = keys.topk(self.width + 1, dim=-1).indices  # [rows, S + 1] in the order drawn
+        pick, after = top[:, 0], top[:, 1:]
+        q_pick, q_after = q.gather(-1, pick[:, None])[:, 0].float(), q.gather(-1, after).float()
+        path = self.path[row_t]  # [rows]
+        guess = (1.0 - q_pick)[:, None] * self.decay  # [rows, S]
+        worth = path[:, None] * torch.where(greedy[:, None], q_after, guess)
+        self.values[row_t, j] = worth.masked_fill(q_after <= 0, float("-inf"))
+        self.tokens[row_t, j] = after if ids is None else ids[after]
+        self.path[row_t] = path * q_pick
+        return pick if ids is None else ids[pick]
+
+
 class EagleDrafter(DrafterBase):
     name, samples = "eagle3", True
+    trees = True  # the head's runners-up
 
     def __init__(
         self, head: Eagle3Head, embed: torch.nn.Module, num_slots: int, max_len: int, vocab: int
@@ -210,9 +246,13 @@ class EagleDrafter(DrafterBase):
     # -- drafting -----------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         """Take in every pending position (the last one's output drafts d_1), then chain the
-        head on its own output and the previous draft (:func:`draft_chain`)."""
+        head on its own output and the previous draft (:func:`draft_chain`); with
+        ``plan.alternatives``, each drafted token's runners-up too (:class:`RunnersUp`)."""
         # q matters only to sampled rows: an all-greedy batch reports none (one-hot)
         sampled = any(not plan.params[b].greedy for b, k in enumerate(plan.ks) if k > 0)
+        runners = None
+        if plan.alternatives and any(plan.ks):
+            runners = RunnersUp(len(seqs), max(plan.ks), plan.alternatives, self.device)
 
         def step(at: Position, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             rows = [seqs[b] for b in at.rows]
@@ -229,16 +269,20 @@ class EagleDrafter(DrafterBase):
             return logits, out
 
         def choose(logits, rows, row_t, j, p: RowParams, guide: DraftGrammar):
-            return self._choose(logits, rows, row_t, j, p, plan, guide, sampled)
+            return self._choose(logits, rows, row_t, j, p, plan, guide, sampled, runners)
 
-        return draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
+        prop = draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
+        if runners is not None:
+            prop.alternatives = Alternatives(runners.tokens, runners.values)
+        return prop
 
-    def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled):
+    def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled, runners=None):
         """Draft position j of ``rows`` from the head's logits over the draft vocabulary
         ``[rows, draft_vocab]``: the target ids drafted ``[rows]`` and q over the target
         vocabulary ``[rows, vocab]`` (zero outside the draft vocabulary; None unless
         ``sampled``). Grammar rows and top-k / top-p run over the whole vocabulary; otherwise q
-        is the softmax over the draft vocabulary (the same q)."""
+        is the softmax over the draft vocabulary (the same q). A sampled row draws by the
+        exponential race (its first arrival); ``runners`` takes the arrivals after it."""
         temp, top_k, top_p, greedy = row_p
         noise, ids = plan.draft_noise, self.draft_ids
         if guide or plan.filter_rows:
@@ -246,18 +290,30 @@ class EagleDrafter(DrafterBase):
             full[:, ids] = draft_logits
             logits = guide.mask(full, rows)  # grammar rows: what it allows next
             q = logits_to_probs(logits[:, None], temp, top_k, top_p, plan.filter_rows)[:, 0]
+            if runners is not None:
+                keys = q if noise is None else torch.where(greedy[:, None], q, q / noise[row_t, j])
+                return runners.take(keys, q, row_t, j, greedy), q
             if noise is None:
                 return q.argmax(-1), q
             return torch.where(greedy, q.argmax(-1), race(q, noise[row_t, j])), q
         if not sampled:
+            if runners is not None:
+                qd = torch.softmax(draft_logits.float(), dim=-1)
+                return runners.take(qd, qd, row_t, j, greedy, ids), None
             return ids[draft_logits.argmax(-1)], None
         qd = torch.softmax(draft_logits / temp[:, None], dim=-1)  # [rows, draft_vocab]
-        pick = qd.argmax(-1)
-        if noise is not None:  # the exponential race over the draft vocabulary
-            pick = torch.where(greedy, pick, race(qd, noise[row_t, j][:, ids]))
+        if runners is not None:
+            keys = qd
+            if noise is not None:
+                keys = torch.where(greedy[:, None], qd, qd / noise[row_t, j][:, ids])
+            pick = runners.take(keys, qd, row_t, j, greedy, ids)
+        else:
+            pick = ids[qd.argmax(-1)]
+            if noise is not None:  # the exponential race over the draft vocabulary
+                pick = torch.where(greedy, pick, ids[race(qd, noise[row_t, j][:, ids])])
         q = qd.new_zeros(len(rows), self.vocab_size)
         q[:, ids] = qd
-        return ids[pick], q
+        return pick, q
 
     # -- the head -----------------------------------------------------------------------------
     @torch.inference_mode()

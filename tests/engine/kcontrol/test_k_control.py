@@ -247,11 +247,13 @@ def test_builder_tells_the_controller_which_drafters_always_propose():
     from engine.builder import make_controller
 
     d = SimpleNamespace(controller="adaptive", k_max=4, min_gain=0.01, probe_interval=2,
-                        probe_k=2, probe_budget=0.02)  # fmt: skip
+                        probe_k=2, probe_budget=0.02, tree_leaves=3)  # fmt: skip
     for samples in (True, False):  # a model drafter samples and always proposes; n-gram neither
-        drafter = SimpleNamespace(samples=samples, steps=lambda w: w)
+        # and only a drafter that proposes runners-up (the EAGLE-3 head) is given tree leaves
+        drafter = SimpleNamespace(samples=samples, steps=lambda w: w, trees=samples)
         ctrl = make_controller(d, drafter)
         assert isinstance(ctrl, AdaptiveK) and ctrl.always_drafts is samples
+        assert ctrl.max_leaves == (3 if samples else 0)
 
 
 def test_reset_forgets_the_probe_backoff_and_the_next_round_but_keeps_the_costs():

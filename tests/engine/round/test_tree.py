@@ -80,7 +80,7 @@ def generate(sample: bool, seed: int = 0) -> list[tuple[int, ...]]:
             p,
             tokens,
             parents,
-            torch.full((N,), 6),
+            torch.ones(N, 6, dtype=torch.bool),
             q,
             torch.zeros(N, dtype=torch.bool),
             u,
@@ -114,8 +114,8 @@ def test_greedy_walks_the_targets_argmax():
     p[1, 0, 3] = 1.0  # root -> 3: not a candidate
     p[:, :, 0] += 0.1  # argmax elsewhere only where set
     path, acc, nxt = tree_accept(
-        p, tokens, parents, torch.tensor([6, 6]), None, torch.ones(2, dtype=torch.bool),
-        torch.zeros(2, 6), None, 2, 2,
+        p, tokens, parents, torch.ones(2, 6, dtype=torch.bool), None,
+        torch.ones(2, dtype=torch.bool), torch.zeros(2, 6), None, 2, 2,
     )  # fmt: skip
     assert acc.tolist() == [2, 0] and path[0].tolist() == [1, 5] and nxt.tolist() == [2, 3]
 
@@ -133,7 +133,8 @@ def test_a_chain_is_the_chain_rule_draw_for_draw():
     u = torch.rand(b, k, generator=g)
     noise = torch.empty(b, v).exponential_(generator=g)
     parents = torch.arange(-1, k - 1).repeat(b, 1)
-    path, acc, nxt = tree_accept(p, tokens, parents, nd, q, greedy, u, noise, k, 1)
+    valid = torch.arange(k)[None, :] < nd[:, None]
+    path, acc, nxt = tree_accept(p, tokens, parents, valid, q, greedy, u, noise, k, 1)
     want_acc, want_next = rejection_sample(p, tokens, nd, q[:, :k], greedy, u, noise)
     assert acc.tolist() == want_acc.tolist() and nxt.tolist() == want_next.tolist()
     assert 0 < int(acc.sum()) < int(nd.sum())  # accepted and rejected both

@@ -246,3 +246,39 @@ def test_sampled_distribution_matches_target():
 
     d.propose = misreported
     assert_rejects(draws(wrong, prompt, **sampling), exact, "eagle3, q reported uniform")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled):
+    """Draft trees (the chain of K = 3 plus 4 runners-up as leaves: round/draft_tree.py) in
+    ragged batches beside chains (a row with a logit bias stays a chain: draft_tree.may_grow),
+    eager and on the compiled path (its graphs replayed with the tree mask): greedy output is
+    plain decoding's, and paths ended at leaves."""
+    from engine.kcontrol.controller import FixedK
+    from engine.model.compiled import CompileConfig
+
+    cfg = None
+    if compiled:
+        cfg = CompileConfig(enabled=True, batch_buckets=[4], q_buckets=[1, 8], kv_align=16)
+    ps = prompts(8, seed=11)
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + 5 * i, logit_bias=((1, 0.0),) if i % 3 else ())
+        for i in range(len(ps))
+    ]
+    plain = helpers.engine_for(target, None, slots=4)
+    ref = [s.output_ids for s in plain.generate(ps, params)]
+    eagle = helpers.engine_for(
+        target, "eagle3", 4, head=echo_head(target), controller=FixedK(3, 4), compile=cfg
+    )
+    if compiled:
+        eagle.warm_up()
+        before = eagle.target.fast.calls
+    out = eagle.generate(ps, params, SpecParams(k=3))
+    assert [s.output_ids for s in out] == ref
+    helpers.assert_speculated(out)
+    trees = [s.tree_rounds for s in out]
+    assert all(t > 0 for t, p in zip(trees, params) if not p.logit_bias)
+    assert all(t == 0 for t, p in zip(trees, params) if p.logit_bias)  # chains beside them
+    assert sum(s.leaf_hits for s in out) > 0
+    if compiled:
+        assert eagle.target.fast.calls > before and eagle.target.fast is not None
