@@ -38,9 +38,11 @@ from loadtest.server_proc import HOST, spawn, specd_server
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "controller": "adaptive", "k_max": 7}
 
 
-def configs(path: Path, fallback: int = 3) -> dict[str, dict]:
+def configs(path: Path, fallback: int = 3, trees: int = 0) -> dict[str, dict]:
     """The config as given, and the same with the n-gram drafter; for an EAGLE-3 config, the
-    head with and without the per-row n-gram fallback (``ngram_fallback``: drafters/hybrid.py)."""
+    head with and without the per-row n-gram fallback (``ngram_fallback``: drafters/hybrid.py),
+    and with ``trees``, each of those with draft trees of up to that many leaves (the adaptive
+    controller verifies them where they pay: engine/round/draft_tree.py)."""
     data = yaml.safe_load(path.read_text())
 
     def variant(drafter: dict) -> dict:
@@ -51,12 +53,13 @@ def configs(path: Path, fallback: int = 3) -> dict[str, dict]:
     d = data["engine"]["drafter"]
     if d["method"] != "eagle3":
         return {d["method"]: data, "ngram": variant(NGRAM)}
-    head = {k: v for k, v in d.items() if k != "ngram_fallback"}
-    return {
-        "eagle3": variant(head),
-        "eagle3+ngram": variant(head | {"ngram_fallback": d.get("ngram_fallback") or fallback}),
-        "ngram": variant(NGRAM),
-    }
+    head = {k: v for k, v in d.items() if k not in ("ngram_fallback", "tree_leaves")}
+    hybrid = head | {"ngram_fallback": d.get("ngram_fallback") or fallback}
+    out = {"eagle3": variant(head), "eagle3+ngram": variant(hybrid)}
+    if trees:
+        out["eagle3+tree"] = variant(head | {"tree_leaves": trees})
+        out["eagle3+ngram+tree"] = variant(hybrid | {"tree_leaves": trees})
+    return out | {"ngram": variant(NGRAM)}
 
 
 def llama_runs(head_gguf: str | None) -> dict[str, tuple[list[str], str]]:
@@ -114,12 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="loadtest/results/drafters")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: measured too")
     ap.add_argument("--llama-eagle3", help="the head as GGUF: llama-server drafts with it too")
+    ap.add_argument(
+        "--tree-leaves", type=int, default=0, help="also the EAGLE-3 servers with trees"
+    )
+    ap.add_argument("--only", help="the servers to run, by name (default: all)")
     args = ap.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = mix_file(out / "mix.jsonl")
     rows = []
-    for name, cfg in configs(Path(args.config)).items():
+    for name, cfg in configs(Path(args.config), trees=args.tree_leaves).items():
+        if only is not None and name not in only:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "config.yaml"
             path.write_text(yaml.safe_dump(cfg))
@@ -128,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += table_rows(res, name, lambda mode, n=name: n if mode == "on" else "plain")
     llama_servers = llama_runs(args.llama_eagle3) if args.llama_server else {}
     for name, (flags, drafter) in llama_servers.items():
+        if only is not None and name not in only:
+            continue
         with llama_server(args.llama_server, args.config, flags, out) as server:
             res = drive(server.base_url, data, args, "default", out / name, retries=2)
         rows += table_rows(res, name, lambda _, d=drafter: d)
@@ -137,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         f"--max-tokens {args.max_tokens}"
         + (f" --requests {args.requests}" if args.requests else "")
         + (f" --llama-server {args.llama_server}" if args.llama_server else "")
-        + (f" --llama-eagle3 {args.llama_eagle3}" if llama_servers and args.llama_eagle3 else ""),
+        + (f" --llama-eagle3 {args.llama_eagle3}" if llama_servers and args.llama_eagle3 else "")
+        + (f" --tree-leaves {args.tree_leaves}" if args.tree_leaves else "")
+        + (f" --only {args.only}" if args.only else ""),
         (
             f"# {args.requests or 24} requests a level from the mix of 16 MT-Bench chats + "
             "8 HumanEval, greedy, streamed; plain = the same server with speculation off (ABBA)"
@@ -147,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             "llama-server plain (medians)"
         ),
         (
-            f"{'server':<13}{'drafter':<13}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
+            f"{'server':<18}{'drafter':<18}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
             f"{'x plain':>9}{'x llama':>9}{'errors':>8}"
         ),
     ]
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 tok_s = med(r["output_tok_s"] for r in rs)
                 own = med(r["output_tok_s"] / plain[r["repeat"]] for r in rs) if plain else None
                 lines.append(
-                    f"{server:<13}{drafter:<13}{c:>8}{tok_s:>9.1f}"
+                    f"{server:<18}{drafter:<18}{c:>8}{tok_s:>9.1f}"
                     f"{med(r['itl_p95_ms'] for r in rs):>12.0f}"
                     + (f"{own:>9.2f}" if own is not None else f"{'-':>9}")
                     + (f"{tok_s / med(llama):>9.2f}" if llama else f"{'-':>9}")

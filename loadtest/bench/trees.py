@@ -3,14 +3,15 @@
 1. Tokens per target pass (tau) and tok/s, greedy, for each shape in ``--shapes`` (``K`` a chain
    of K; ``K+L`` the chain plus L of the head's runners-up as leaves, engine/round/draft_tree.py),
    on the same prompts (MT-Bench, HumanEval, the ShareGPT ``e`` bucket), one request at a time
-   (c = 1) and ``--batch`` at a time, shapes interleaved; every shape's output is checked equal to
+   (c = 1) and ``--batch`` at a time, shapes interleaved (``a``, ``a+L``: the adaptive controller,
+   chains or with up to L leaves where it finds they pay); every shape's output is checked equal to
    the first shape's (greedy is exact whatever the shape). Leaf yield: the share of tree rounds
    whose path ended at a leaf.
-2. The verify's cost by its tokens N = 1..16 (compiled, batch 1 and ``--batch``), as a causal
-   chain and as a tree of the same N (the chain of min(3, N - 1) plus leaves): what a tree's
-   extra queries cost on this machine.
+2. The verify's cost by its tokens N = 1..16 (batch 1 and ``--batch``; compiled, N padded to
+   the config's q buckets plus one of 16, and eager), as a causal chain and as a tree of the same
+   N (the chain of min(3, N - 1) plus leaves): what a tree's extra queries cost on this machine.
 
-    python -m loadtest.bench.trees --config configs/default.yaml --shapes 3,7,3+2,3+4,2+5
+    python -m loadtest.bench.trees --config configs/default.yaml --shapes 3,7,3+2,3+4,2+5,a,a+4
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import yaml
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.base import Alternatives
-from engine.kcontrol.controller import FixedK
+from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.kcontrol.timing import time_call
 from engine.requests.sequence import SpecParams
 from engine.round.draft_tree import grow
@@ -39,13 +40,31 @@ SETS = ("mt-bench", "humaneval", "sharegpt-e")
 
 
 def shape(text: str) -> tuple[int, int]:
+    """``K`` or ``K+L`` (``a`` for K: the adaptive controller, with up to L leaves)."""
     k, _, leaves = text.partition("+")
-    return int(k), int(leaves or 0)
+    return (-1 if k == "a" else int(k)), int(leaves or 0)
+
+
+def controller(engine, k: int, leaves: int):
+    """FixedK(k, leaves), or for k = -1 the adaptive controller as the builder makes it for the
+    EAGLE-3 head (K_max 7, its leaves up to ``leaves``), calibrated once and kept per shape."""
+    if k >= 0:
+        return FixedK(k, leaves)
+    key = ("adaptive", leaves)
+    if key not in CONTROLLERS:
+        ctrl = AdaptiveK(7, engine.drafter.steps, always_drafts=True, max_leaves=leaves)
+        ctrl.price_shapes(engine.target.padded_shape)
+        ctrl.calibrate(engine.target, None, engine.target.cache.free_slots()[:4])
+        CONTROLLERS[key] = ctrl
+    return CONTROLLERS[key]
+
+
+CONTROLLERS: dict = {}
 
 
 def run_shape(engine, ids, k, leaves, max_tokens, concurrency):
     """The prompts ``concurrency`` at a time at this shape; (seconds, sequences)."""
-    engine.controller = engine.speculator.controller = FixedK(k, leaves)
+    engine.controller = engine.speculator.controller = controller(engine, k, leaves)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     seqs, t0 = [], time.perf_counter()
     for start in range(0, len(ids), concurrency):
@@ -54,7 +73,8 @@ def run_shape(engine, ids, k, leaves, max_tokens, concurrency):
 
 
 def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
-    """Median time of a target verify of N tokens a row, chain and tree, batch 1 and ``batch``."""
+    """Median time of a target verify of N tokens a row, as a chain and as a tree, batch 1 and
+    ``batch``: on the compiled path (N padded to its q buckets, as served) and eager (N itself)."""
     target = engine.target
     out = []
     for rows in (1, batch):
@@ -65,29 +85,29 @@ def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
         for n in range(1, max_n + 1):
             ids = torch.randint(0, 1000, (rows, n), device=target.device)
             counts = [n] * rows
-            chain = time_call(
-                lambda: target.forward(ids, slots, counts, "all"),  # noqa: B023
-                target.device,
-                repeats=15,
-                warmup=3,
-            )
-            tree_ms = None
+            calls = {"chain": (ids, {})}
             if n > 1:
                 k = min(3, n - 1)
-                drafts = ids[:, 1 : 1 + k]
                 alts = Alternatives(
                     torch.zeros(rows, k, n, dtype=torch.long, device=target.device),
                     torch.rand(rows, k, n, device=target.device),
                 )
-                t = grow(drafts, [k] * rows, None, alts, [n - 1 - k] * rows)
-                t_ids = torch.cat([ids[:, :1], t.tokens], 1)
-                tree_ms = 1e3 * time_call(
-                    lambda: target.forward(t_ids, slots, counts, "all", tree=t.tree),  # noqa: B023
-                    target.device,
-                    repeats=15,
-                    warmup=3,
-                )
-            out.append({"batch": rows, "n": n, "chain_ms": 1e3 * chain, "tree_ms": tree_ms})
+                t = grow(ids[:, 1 : 1 + k], [k] * rows, None, alts, [n - 1 - k] * rows)
+                calls["tree"] = (torch.cat([ids[:, :1], t.tokens], 1), {"tree": t.tree})
+            row: dict = {"batch": rows, "n": n}
+            for name, (x, kw) in calls.items():
+                for path in ("compiled", "eager"):
+
+                    def call(x=x, kw=kw, slots=slots, counts=counts):
+                        return target.forward(x, slots, counts, "all", **kw)
+
+                    if path == "eager":
+                        with target.eager():
+                            ms = 1e3 * time_call(call, target.device, repeats=15, warmup=3)
+                    else:
+                        ms = 1e3 * time_call(call, target.device, repeats=15, warmup=3)
+                    row[f"{name}_{path}_ms"] = ms
+            out.append(row)
         for s in slots:
             target.cache.free(s)
     return out
@@ -108,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raw = yaml.safe_load(Path(args.config).read_text())["engine"]
     raw["drafter"] = raw["drafter"] | {"ngram_fallback": 0, "controller": "fixed", "k_max": 16}
-    raw["compile"] = raw.get("compile", {}) | {
-        "q_buckets": list(range(1, args.max_n + 1)),
+    served = raw.get("compile", {}).get("q_buckets") or [1, 2, 4, 8]
+    raw["compile"] = raw.get("compile", {}) | {  # the served q buckets, and one for N = max_n
+        "q_buckets": sorted(set(served) | {args.max_n}),
         "batch_buckets": sorted({1, args.batch}),
     }
     raw["max_running"] = max(args.batch, 8)
+    raw["prefix_cache_tokens"] = 0  # every shape starts from the same state (no earlier run's K/V)
     built = build_engine(EngineConfig.from_dict(raw))
     engine, tok = built.engine, built.tokenizer
     engine.warm_up()
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     by_set[name][1] += s.target_passes
                 trees = sum(s.tree_rounds for s in seqs)
                 row = {
-                    "shape": f"{k}+{leaves}" if leaves else str(k),
+                    "shape": f"{'a' if k < 0 else k}" + (f"+{leaves}" if leaves else ""),
                     "concurrency": conc,
                     "repeat": rep,
                     "tok_s": sum(len(o) for o in outs) / secs,
