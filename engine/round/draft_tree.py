@@ -90,7 +90,8 @@ class Settled(NamedTuple):
     drafts: torch.Tensor  # [batch, K] long: the accepted path's tokens (padded past accepted)
     probs: torch.Tensor  # [batch, K + 1, vocab]: the target's at each emitted position
     tapped: torch.Tensor | None  # [batch, K + 1, features] at the same positions
-    leaf_hit: torch.Tensor  # [batch] long: 1 where the path ends at a runner-up
+    # [batch, 2] long: the row's leaves verified, and 1 where its path ended at one
+    tree_stats: torch.Tensor
 
 
 def settle(
@@ -117,7 +118,8 @@ def settle(
     cache.move(to_device(slots, torch.long, dev), start + idx[:, 1:], start + 1 + i)
     last = path.gather(1, (num_acc - 1).clamp_min(0)[:, None])[:, 0]
     leaf_hit = ((num_acc > 0) & (last >= t.chain)).long()
-    return Settled(drafts, probs, tapped, leaf_hit)
+    leaves = t.valid[:, t.chain :].sum(1)
+    return Settled(drafts, probs, tapped, torch.stack([leaves, leaf_hit], dim=1))
 
 
 def may_grow(seq: Sequence) -> bool:

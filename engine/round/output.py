@@ -42,7 +42,8 @@ class HostRow:
     chosen: list[float] | None  # [K+1] log-prob of the emitted token at each verified position
     top_ids: list[list[int]] | None  # [K+1][n]
     top_lps: list[list[float]] | None  # [K+1][n]
-    leaf_hit: int = 0  # 1: a draft tree's path ended at a leaf (round/draft_tree.py)
+    leaves: int = 0  # a draft tree's leaves verified (round/draft_tree.py)
+    leaf_hit: int = 0  # 1: its path ended at one
 
 
 def to_host(
@@ -51,13 +52,14 @@ def to_host(
     num_acc: torch.Tensor,  # [batch] long
     next_tok: torch.Tensor,  # [batch] long
     top_n: int | None,  # the most top alternatives any row asked for; None: no row wants logprobs
-    leaf_hit: torch.Tensor | None = None,  # [batch] long: a tree round's (draft_tree.settle)
+    tree_stats: torch.Tensor | None = None,  # [batch, 2] long: a tree round's (draft_tree.settle)
 ) -> list[HostRow]:
     """The round's single device->host read (see the module docstring)."""
     batch, k1, _ = probs.shape
     k = k1 - 1
-    hits = leaf_hit if leaf_hit is not None else torch.zeros_like(num_acc)
-    parts = [num_acc[:, None], next_tok[:, None], hits[:, None], drafts]
+    if tree_stats is None:
+        tree_stats = num_acc.new_zeros(batch, 2)
+    parts = [num_acc[:, None], next_tok[:, None], tree_stats, drafts]
     n = max(top_n or 0, 1)
     if top_n is not None:
         rows = torch.arange(batch, device=probs.device)
@@ -71,7 +73,7 @@ def to_host(
     packed = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()  # the one sync
     out = []
     for row in packed:
-        a, tok, hit, rest = int(row[0]), int(row[1]), int(row[2]), row[3:]
+        a, tok, leaves, hit, rest = int(row[0]), int(row[1]), int(row[2]), int(row[3]), row[4:]
         drafted = [int(t) for t in rest[:k]]
         chosen_l = top_ids = top_lps = None
         if top_n is not None:
@@ -79,7 +81,7 @@ def to_host(
             flat_ids, flat_lp = rest[k + k1 : k + k1 + k1 * n], rest[k + k1 + k1 * n :]
             top_ids = [[int(t) for t in flat_ids[j * n : (j + 1) * n]] for j in range(k1)]
             top_lps = [flat_lp[j * n : (j + 1) * n] for j in range(k1)]
-        out.append(HostRow(a, tok, drafted, chosen_l, top_ids, top_lps, hit))
+        out.append(HostRow(a, tok, drafted, chosen_l, top_ids, top_lps, leaves, hit))
     return out
 
 

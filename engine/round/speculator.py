@@ -98,6 +98,8 @@ class Speculator:
             leaves = [n_l if n else 0 for n_l, n in zip(leaves, num_draft)]
             if any(leaves):
                 tree = grow(drafts, num_draft, draft_probs, prop.alternatives, leaves)
+        if tree is None:  # chains only (no row drafted runners-up: a fault, n-gram, forced)
+            leaves = [0] * len(seqs)
         clock.mark()
         # 3. verify: one target pass over [last token, d_1..d_K] per row, or its tree's nodes
         nodes = tree.tokens if tree is not None else drafts  # [batch, n]
@@ -113,15 +115,14 @@ class Speculator:
         tv = time.perf_counter()  # (on CUDA the verify kernels may still run: they end in 4's sync)
         # 4. accept, and the round's one device->host sync
         starts = [s.num_tokens - 1 for s in seqs]  # each row's verify starts at its last token
-        leaf_hit = None
+        tree_stats = None  # a tree round's leaves and leaf hits per row (draft_tree.settle)
+        uniforms = plan.uniforms[:, :kmax]
         if tree is None:
             num_t = to_device(num_draft, torch.long, self.device)
-            uniforms = plan.uniforms[:, :kmax]
             num_acc, next_tok = self.accept(
                 probs, drafts, num_t, draft_probs, plan.greedy, uniforms, plan.noise
             )
         else:  # the tree rule; the accepted paths laid out as chains (draft_tree.py)
-            uniforms = plan.uniforms[:, :kmax]
             if plan.noise is not None:  # the leaves' draws: tree rows are never seeded
                 more = nodes.shape[1] - kmax
                 leaf_u = torch.rand(len(seqs), more, generator=self.rng, device=self.device)
@@ -131,15 +132,15 @@ class Speculator:
                 plan.noise, kmax, tree.width,
             )  # fmt: skip
             st = settle(tree, path, num_acc, probs, tapped, self.target.cache, slots, starts)
-            drafts, probs, tapped, leaf_hit = st
+            drafts, probs, tapped, tree_stats = st
         if self.drafter is not None:  # the target's features of the kept layout (EAGLE-3)
             self.drafter.observe(seqs, tapped, starts, [n + 1 for n in num_draft])
-        rows = to_host(probs, drafts, num_acc, next_tok, top_n, leaf_hit)
+        rows = to_host(probs, drafts, num_acc, next_tok, top_n, tree_stats)
         t2 = time.perf_counter()
         draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
         # 5. commit / rollback
         outputs = []
-        for s, k, n, f, row, n_l in zip(seqs, asked, num_draft, forced, rows, leaves):
+        for s, k, n, f, row in zip(seqs, asked, num_draft, forced, rows):
             kept = row.accepted
             # a forced run is the grammar's draft, not the drafter's: counted apart
             nd, a, free = (0, 0, kept) if f else (n, kept, 0)
@@ -150,9 +151,13 @@ class Speculator:
             )
             emitted = self.scheduler.postprocess(s, row.drafts[:kept] + [row.next_token])
             advance(s, emitted)
-            stats = RoundStats(k, nd, a, len(emitted), draft_s, verify_s, kmax, t2 - tv, free)
-            stats.leaves, stats.leaf_hit = n_l, row.leaf_hit
-            s.tree_rounds, s.leaf_hits = s.tree_rounds + (n_l > 0), s.leaf_hits + row.leaf_hit
+            # leaves: those verified (the ones asked, where the drafter had runners-up)
+            stats = RoundStats(
+                k, nd, a, len(emitted), draft_s, verify_s, kmax, t2 - tv, free, row.leaves,
+                row.leaf_hit,
+            )  # fmt: skip
+            s.tree_rounds += row.leaves > 0
+            s.leaf_hits += row.leaf_hit
             next_cap = self.k_cap(s) if s.status is Status.RUNNING else None
             self.controller.observe(s, k, stats, next_cap)
             outputs.append(make_output(s, emitted, stats, row))

@@ -50,6 +50,17 @@ def prompt_sets(per_category: int, humaneval: int, sharegpt: int) -> list[Prompt
     return out
 
 
+def fitting_prompts(
+    tok, per_category: int, humaneval: int, sharegpt: int, room: int
+) -> list[tuple[Prompt, list[int]]]:
+    """:func:`prompt_sets` encoded, those of at most ``room`` tokens, the first ``sharegpt`` of
+    the ShareGPT ones that fit (four times as many are read)."""
+    pairs = [(p, encode(tok, p)) for p in prompt_sets(per_category, humaneval, 4 * sharegpt)]
+    pairs = [(p, i) for p, i in pairs if len(i) <= room]
+    shared = [x for x in pairs if x[0].category == "sharegpt-e"][:sharegpt]
+    return [x for x in pairs if x[0].category != "sharegpt-e"] + shared
+
+
 def acceptance(rounds: list[tuple[int, int]], k: int) -> list[float]:
     """Share of rounds, among those that drafted >= i tokens, whose first i drafts were all
     accepted, for i = 1..k. ``rounds``: (drafted, accepted)."""
@@ -125,13 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compiled:
         engine.warm_up()  # the target's buckets and the head's graphs, as the server does
     room = engine.target.max_len - args.max_tokens - 1  # prompts that fit with their answer
-    pairs = [
-        (p, encode(tok, p))
-        for p in prompt_sets(args.per_category, args.humaneval, 4 * args.sharegpt)
-    ]
-    pairs = [(p, i) for p, i in pairs if len(i) <= room]
-    shared = [x for x in pairs if x[0].category == "sharegpt-e"][: args.sharegpt]
-    pairs = [x for x in pairs if x[0].category != "sharegpt-e"] + shared
+    pairs = fitting_prompts(tok, args.per_category, args.humaneval, args.sharegpt, room)
     prompts, ids = [p for p, _ in pairs], [i for _, i in pairs]
     cost = draft_step_fraction(engine)
     cost["fraction"] = cost["draft_step_ms"] / cost["target_step_ms"]

@@ -33,8 +33,7 @@ from engine.kcontrol.timing import time_call
 from engine.requests.sequence import SpecParams
 from engine.round.draft_tree import grow
 from engine.round.sampling import SamplingParams
-from loadtest.bench.eagle import prompt_sets
-from prompts.sets import encode
+from loadtest.bench.eagle import fitting_prompts
 
 SETS = ("mt-bench", "humaneval", "sharegpt-e")
 
@@ -138,12 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     built = build_engine(EngineConfig.from_dict(raw))
     engine, tok = built.engine, built.tokenizer
     engine.warm_up()
-    prompts = prompt_sets(args.per_category, args.humaneval, 4 * args.sharegpt)
-    room = engine.target.max_len - args.max_tokens - 17
-    pairs = [(p, encode(tok, p)) for p in prompts]
-    pairs = [(p, i) for p, i in pairs if len(i) <= room]
-    shared = [x for x in pairs if x[0].category == "sharegpt-e"][: args.sharegpt]
-    pairs = [x for x in pairs if x[0].category != "sharegpt-e"] + shared
+    room = engine.target.max_len - args.max_tokens - 17  # with the answer and a verify of 16
+    pairs = fitting_prompts(tok, args.per_category, args.humaneval, args.sharegpt, room)
     sets = [
         "sharegpt-e" if p.category == "sharegpt-e" else
         "humaneval" if p.category == "humaneval" else "mt-bench"

@@ -65,18 +65,23 @@ def models():
     return tiny(1), tiny(2)
 
 
-@pytest.fixture(scope="module")
-def joint(models):
-    """The exact joint distribution of the output, by enumeration (memoized per params)."""
+def joint_of(target):
+    """The exact joint distribution of ``target``'s output, by enumeration (memoized per
+    params): ``get(temperature, top_k, top_p)``."""
     memo = {}
 
     def get(temperature, top_k, top_p):
         key = (temperature, top_k, top_p)
         if key not in memo:
-            memo[key] = exact_joint(models[0], PROMPT, MAX_TOKENS, temperature, top_k, top_p)
+            memo[key] = exact_joint(target, PROMPT, MAX_TOKENS, temperature, top_k, top_p)
         return memo[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def joint(models):
+    return joint_of(models[0])
 
 
 # -- deliberately wrong acceptance rules (rejection_sample's signature) --------------------------
@@ -392,15 +397,7 @@ def tree_target():
 
 @pytest.fixture(scope="module")
 def tree_joint(tree_target):
-    memo = {}
-
-    def get(temperature, top_k, top_p):
-        key = (temperature, top_k, top_p)
-        if key not in memo:
-            memo[key] = exact_joint(tree_target, PROMPT, MAX_TOKENS, temperature, top_k, top_p)
-        return memo[key]
-
-    return get
+    return joint_of(tree_target)
 
 
 def tree_head(target):

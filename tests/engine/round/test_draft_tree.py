@@ -57,7 +57,7 @@ def test_settle_lays_the_path_out_as_a_chain_and_moves_its_kv():
     assert st.drafts[0, :2].tolist() == [10, 14] and st.drafts[1, :2].tolist() == [20, 21]
     assert torch.equal(st.probs[0], probs[0, [0, 1, 4, 3]])  # past the path: the chain's own
     assert torch.equal(st.tapped[1], tapped[1, [0, 1, 2, 3]])
-    assert st.leaf_hit.tolist() == [1, 0]
+    assert st.tree_stats.tolist() == [[2, 1], [0, 0]]  # leaves verified, path ended at one
     for now, was in zip(cache.k + cache.v, before):
         # row 0: the leaf's K/V (written at start + 1 + 3) now at the path's second position
         assert torch.equal(now[2, :, 7], was[2, :, 9])
