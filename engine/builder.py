@@ -59,6 +59,8 @@ def make_controller(d, drafter) -> KController:
             probe_budget=d.probe_budget,
             always_drafts=drafter.samples,  # a model (head, draft model) proposes whenever asked
             max_leaves=d.tree_leaves if drafter.trees else 0,
+            # an expanding head's extras: drafters/eagle/expand.py
+            expand_rows=d.tree_topk - 1 if drafter.trees and d.tree_leaves and d.tree_topk else 0,
         )
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)
@@ -114,9 +116,12 @@ def eagle_head(source: str | None, model):
     return load_head(head_folder(source), model.config.num_hidden_layers, p.dtype, p.device)
 
 
-def eagle_drafter(source: str | None, model, runner: ModelRunner, head=None) -> EagleDrafter:
+def eagle_drafter(
+    source: str | None, model, runner: ModelRunner, head=None, topk: int = 0, k_max: int = 0
+) -> EagleDrafter:
     """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype), or
-    of ``head``, an already loaded one (tests build theirs in memory; moved to the device)."""
+    of ``head``, an already loaded one (tests build theirs in memory; moved to the device);
+    ``topk`` >= 2: its trees expand (``drafter.tree_topk``) for chains up to ``k_max``."""
     if head is not None:
         head = head.to(runner.device)
         source = source or "(in memory)"
@@ -131,7 +136,9 @@ def eagle_drafter(source: str | None, model, runner: ModelRunner, head=None) -> 
     if max(c.aux_layers) >= len(runner.weights):
         raise ValueError(f"the head taps layers {c.aux_layers}: the target has fewer")
     embed = model.model.embed_tokens
-    return EagleDrafter(head, embed, runner.cache.num_slots, runner.max_len, runner.vocab_size)
+    return EagleDrafter(
+        head, embed, runner.cache.num_slots, runner.max_len, runner.vocab_size, topk, k_max
+    )
 
 
 def use_inductor_cache(folder: Path) -> None:
@@ -193,7 +200,8 @@ def make_drafter(
         )
         return ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     if d.method == "eagle3":
-        drafter = eagle = eagle_drafter(d.source, model, runner, head)
+        topk = d.tree_topk if d.tree_leaves else 0
+        drafter = eagle = eagle_drafter(d.source, model, runner, head, topk, d.k_max)
         if d.head_q4:
             eagle.use_q4()
         # the head's step compiled too: on CPU inductor's guardless graphs (eagle_step.py),

@@ -63,6 +63,10 @@ class DrafterConfig:
     # eagle3 only: draft trees, the chain plus up to this many of the head's runners-up as leaves
     # (engine/round/draft_tree.py); the controller verifies them where they pay (0: chains only)
     tree_leaves: int = 0
+    # eagle3 trees: 0, the leaves are the chain's runners-up; k >= 2, EAGLE-2's expansion: each
+    # depth also feeds the head k - 1 other nodes and keeps the top k children of each, so the
+    # leaves may hang deeper (engine/drafters/eagle/expand.py)
+    tree_topk: int = 0
     min_gain: float = 0.01  # adaptive: speculate only when predicted goodput beats K=0 by this
     probe_interval: int = 2  # adaptive: after this many rounds at K=0, one round drafts probe_k
     probe_k: int = 2
@@ -103,6 +107,8 @@ class EngineConfig:
         if isinstance(self.deterministic, bool):  # YAML reads a bare off / on as a boolean
             self.deterministic = "always" if self.deterministic else "off"
         check_kv_budget(self.kv_cache_tokens, self.max_model_len)  # refused here, not at load
+        if self.drafter.tree_topk == 1 or self.drafter.tree_topk < 0:
+            raise ValueError(f"drafter.tree_topk is 0 or at least 2, got {self.drafter.tree_topk}")
         if self.deterministic not in DETERMINISTIC_MODES:
             raise ValueError(
                 f"deterministic must be one of {', '.join(DETERMINISTIC_MODES)}, "

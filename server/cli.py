@@ -140,6 +140,7 @@ def _config(args):
     for name, field, cast in (
         ("k_max", "k_max", int),
         ("tree_leaves", "tree_leaves", int),
+        ("tree_topk", "tree_topk", int),
         ("max_model_len", "max_model_len", int),
         ("max_running", "max_running", int),
         ("deterministic", "deterministic", str),
@@ -148,7 +149,7 @@ def _config(args):
     ):
         value = _env_or(args, name)
         if value is not None:
-            target = cfg.drafter if name in ("k_max", "tree_leaves") else cfg
+            target = cfg.drafter if name in ("k_max", "tree_leaves", "tree_topk") else cfg
             setattr(target, field, cast(value))
     if spec_k is not None and _env_or(args, "k_max") is None:
         cfg.drafter.k_max = spec_k
@@ -309,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                 type=int,
                 help="EAGLE-3 draft trees: up to N of the head's runners-up verified beside its "
                 "chain where the controller finds they pay; 0: chains (env SPECD_TREE_LEAVES)",
+            )
+            p.add_argument(
+                "--tree-topk",
+                type=int,
+                help="EAGLE-2 tree expansion: each draft depth also feeds the head K-1 other "
+                "candidates and keeps the top K children of each, so leaves may hang deeper; "
+                "0: leaves are the chain's runners-up (env SPECD_TREE_TOPK)",
             )
             p.add_argument(
                 "--max-model-len",

@@ -89,6 +89,7 @@ OTHER_ENV = {
     "DRAFTER",
     "K_MAX",
     "TREE_LEAVES",
+    "TREE_TOPK",
     "MAX_MODEL_LEN",
     "MAX_RUNNING",
     "DETERMINISTIC",

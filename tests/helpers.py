@@ -103,6 +103,7 @@ def engine_for(
     prefix_cache: int = 0,
     kv_budget: int | None = None,
     bulk_slots: int | None = None,
+    tree_topk: int = 0,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -113,7 +114,9 @@ def engine_for(
     (the controls of the checks that must catch one). ``prefix_cache``: the prefix cache's
     positions (0: off; tests/engine/test_prefix_caching.py turns it on); ``kv_budget``: the KV
     positions the running sequences may hold (None: every slot its ``max_len``); ``bulk_slots``:
-    what a request of many sequences holds beside a smaller one (None: no cap).
+    what a request of many sequences holds beside a smaller one (None: no cap); ``tree_topk``:
+    the EAGLE-3 head's trees expand EAGLE-2's way (drafter.tree_topk; leaves from the
+    controller given).
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -145,6 +148,8 @@ def engine_for(
             head_q4=False,  # the head given is the one tested (test_eagle_q4.py: 4-bit heads)
             ngram_fallback=shipped.ngram_fallback if drafter == "eagle3+ngram" else 0,
             k_max=k_max,
+            tree_topk=tree_topk,
+            tree_leaves=shipped.tree_leaves or (4 if tree_topk else 0),
         ),
         max_running=slots,
         max_model_len=max_len,
@@ -292,3 +297,23 @@ def float32_q4_engine(cfg: EngineConfig, target) -> SpecEngine:
     runner = target_runner(cfg, model, taps, weights)
     drafter = make_drafter(cfg, model, tok, runner, head=head)
     return make_engine(cfg, runner, drafter, eos_ids(model, tok))
+
+
+def spy_deep_paths(monkeypatch) -> list[int]:
+    """Count, per tree round, the accepted nodes hanging below a non-chain node (only EAGLE-2's
+    expansion makes one: engine/drafters/eagle/expand.py); returns the list it appends to."""
+    from engine.round import speculator
+
+    deep: list[int] = []
+    settle = speculator.settle
+
+    def spy(t, path, num_acc, *rest):
+        i = torch.arange(path.shape[1], device=path.device)[None]
+        on = (i < num_acc[:, None]) & (path >= 0)
+        node = torch.where(on, path, 0)
+        par = t.parents.gather(1, node)
+        deep.append(int((on & (node >= t.chain) & (par >= t.chain)).sum()))
+        return settle(t, path, num_acc, *rest)
+
+    monkeypatch.setattr(speculator, "settle", spy)
+    return deep

@@ -30,6 +30,15 @@ class Alternatives:
     # [batch, K', S] float: each one's worth as a tree node (its estimated chance of being
     # accepted); -inf: none. Within a position, decreasing in the order drawn
     values: torch.Tensor
+    # deeper nodes (EAGLE-2's expansion, drafters/eagle/expand.py): tokens [batch, M] long,
+    # worth [batch, M] (never above the parent's), parent ids [batch, M] long, in the id space
+    # -1 the root, j < K' chain node j, K' + j S + r runner-up r of d_{j+1}, K' + K' S + m
+    # node m of these; parents first
+    more: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    branch: int = 0  # the most children a node of ``more`` has
+    # [batch] bool: rows whose candidates were chosen, not drawn (tried as point masses:
+    # engine/round/tree.py); None: none
+    point: torch.Tensor | None = None
 
 
 @dataclass
@@ -38,6 +47,7 @@ class Proposal:
     num: list[int]  # drafted tokens per row (<= the K asked for; may be 0)
     probs: torch.Tensor | None  # [batch, K, vocab] draft distribution; None = one-hot q
     alternatives: Alternatives | None = None  # asked by plan.siblings; K' <= K
+    extra_rows: int = 0  # row-steps the drafter ran beyond its chains' (a tree's expansion)
 
 
 class Drafter(Protocol):

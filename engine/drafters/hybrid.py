@@ -77,4 +77,5 @@ class HybridDrafter(DrafterBase):
         prop = self.eagle.propose(seqs, replace(plan, ks=head_ks))
         # a copied row was asked for nothing: its copy goes in as a one-hot run, like a forced one
         tokens, num, probs = with_forced(prop.tokens, prop.num, prop.probs, copies)
-        return Proposal(tokens, num, probs, prop.alternatives)  # a copied row has none
+        # a copied row has no alternatives
+        return Proposal(tokens, num, probs, prop.alternatives, prop.extra_rows)

@@ -127,11 +127,19 @@ class KController:
         that whether a request drafts does not depend on what ran before it."""
 
     def end_round(
-        self, batch: int, width: int, steps: int, rest_s: float, draft_s: float, catch_up: int = 0
+        self,
+        batch: int,
+        width: int,
+        steps: int,
+        rest_s: float,
+        draft_s: float,
+        catch_up: int = 0,
+        extra_rows: int = 0,
     ) -> None:
         """The round's rows, padded draft width and drafter's sequential steps, its measured
-        times (the round without its draft phase, the draft phase) and the positions beyond one
-        a row its drafter took in first (Σ backlog_i of the drafting rows)."""
+        times (the round without its draft phase, the draft phase), the positions beyond one
+        a row its drafter took in first (Σ backlog_i of the drafting rows) and the row-steps
+        its draft steps ran beyond steps x rows (a draft tree's expansion)."""
 
 
 def pinned_k(seq: Sequence, cap: int) -> int | None:
@@ -206,9 +214,13 @@ class AdaptiveK(KController):
         always_drafts: bool = False,
         price_catch_up: bool = True,
         max_leaves: int = 0,
+        expand_rows: int = 0,
     ):
         self.k_max, self.decay, self.min_gain = k_max, decay, min_gain
         self.max_leaves = max_leaves  # a draft tree's most leaves (0: chains only)
+        # head rows a tree row adds to each draft step after the first (EAGLE-2's expansion,
+        # drafters/eagle/expand.py: its B - 1 extras); 0: a tree costs the drafter nothing
+        self.expand_rows = expand_rows
         self.always_drafts = always_drafts  # m = 1: the drafter proposes whenever asked
         self.steps_per_width = steps_per_width  # drafter's sequential steps for a width w
         self.price_catch_up = price_catch_up  # False: fitted, not priced (a benchmark's mode)
@@ -228,6 +240,7 @@ class AdaptiveK(KController):
         self._pinned_width = 0
         self._p_none = 1.0  # Π_i (1 - m_i): the chance that no row finds a draft
         self._states: list[KState] = []  # the adaptive rows': their backlog is read at _decide
+        self._growable = 0  # the adaptive rows that may grow a tree
 
     # -- the engine's calls ---------------------------------------------------------------------
     def k_for(self, seq, cap):
@@ -262,6 +275,7 @@ class AdaptiveK(KController):
             self._p_none *= 1.0 - match
         if pinned is None:
             self._adaptive.append((st.alpha, match, cap, st.leaf_rate if grows else 0.0))
+            self._growable += grows
             self._states.append(st)
         elif pinned == 0:
             self._pinned_tokens += 1.0
@@ -278,8 +292,8 @@ class AdaptiveK(KController):
         p = self.prober
         self.prober = Prober(p.interval, p.k, p.budget)
 
-    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0):
-        self.cost.observe(batch, width, steps, rest_s, draft_s, catch_up)
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
+        self.cost.observe(batch, width, steps, rest_s, draft_s, catch_up, extra_rows)
         if self._rows:
             self._k_next = self._decide()
         self._reset_sums()
@@ -331,8 +345,9 @@ class AdaptiveK(KController):
 
     def _grow(self, batch, widths, seconds, tokens, best: int) -> int:
         """Trees beside the chains (round/draft_tree.py): L leaves cost the verify L more
-        queries, T(B, K + L) - T(B, K), and add to a row that may grow one the chance that a
-        round whose chain was cut short ends at a leaf, m·(1 - α^K)·β·leaf_reach(L) (state.py):
+        queries, T(B, K + L) - T(B, K), and with an expansion its extra head rows in K - 1 draft
+        steps, and add to a row that may grow one the chance that a round whose chain was cut
+        short ends at a leaf, m·(1 - α^K)·β·leaf_reach(L) (state.py):
         the (K, L) of best goodput with K + L <= K_max, where it beats the chains' ``best`` by
         the factor 1 + ``min_gain``. Sets ``_leaves_next``; returns K*."""
         a, m, cap, beta = (np.array(c) for c in zip(*self._adaptive))
@@ -340,12 +355,18 @@ class AdaptiveK(KController):
             return best
         rest = [self.cost.predict(batch, int(w), 0) for w in widths]  # the verify's part
         top, best_gp = best, tokens[best] / seconds[best] * (1.0 + self.min_gain)
+        more = self.expand_rows * self._growable  # head rows an expanding step adds
+
+        def draft(rows: int, steps: int) -> float:  # the draft phase's part of a round
+            return self.cost.predict(rows, 0, steps) - self.cost.predict(rows, 0, 0)
+
         for k in range(1, self.k_max):
+            grow_s = draft(batch + more, k - 1) - draft(batch, k - 1) if more and k > 1 else 0.0
             ks = np.minimum(k, cap)
             cut = m * (1.0 - np.minimum(a, 1.0) ** ks) * (ks > 0)  # [rows]
             for leaves in range(1, min(self.max_leaves, self.k_max - k) + 1):
                 gain = float(np.minimum(cut * beta * leaf_reach(leaves), 1.0).sum())
-                extra = (1.0 - self._p_none) * (rest[k + leaves] - rest[k])
+                extra = (1.0 - self._p_none) * (rest[k + leaves] - rest[k] + grow_s)
                 gp = (tokens[k] + gain) / (seconds[k] + extra)
                 if gp > best_gp:
                     top, best_gp, self._leaves_next = k, gp, leaves

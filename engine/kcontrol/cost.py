@@ -43,11 +43,19 @@ class CostModel(Protocol):
     shape: Shape
 
     def observe(
-        self, batch: int, width: int, steps: int, rest_s: float, draft_s: float, catch_up: int = 0
+        self,
+        batch: int,
+        width: int,
+        steps: int,
+        rest_s: float,
+        draft_s: float,
+        catch_up: int = 0,
+        extra_rows: int = 0,
     ) -> None:
         """One measured round: B rows, padded width w, ``steps`` draft steps, ``catch_up``
-        positions the drafter took in for rounds it missed; the round's time without its draft
-        phase, and the draft phase's time."""
+        positions the drafter took in for rounds it missed, ``extra_rows`` row-steps its draft
+        steps ran beyond steps x B (a draft tree's expansion); the round's time without its
+        draft phase, and the draft phase's time."""
 
     def predict(self, batch: int, width: int, steps: int, catch_up: int = 0) -> float:
         """Predicted seconds of a round (> 0)."""
@@ -124,11 +132,11 @@ class RoundCost:
     def add_step_calibration(self, batch: int, seconds: float, catch_up: int = 0) -> None:
         self.draft.add_fixed((1.0, batch, catch_up), seconds, CALIBRATION_WEIGHT)
 
-    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0):
+    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
         self.observed += 1
         self.rest.update(self._rest_x(batch, width), rest_s)
         if steps > 0:
-            self.draft.update((steps, steps * batch, catch_up), draft_s)
+            self.draft.update((steps, steps * batch + extra_rows, catch_up), draft_s)
 
     def predict(self, batch, width, steps, catch_up=0):
         t = self.rest.predict(self._rest_x(batch, width))

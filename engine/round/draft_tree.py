@@ -1,17 +1,22 @@
-"""A round's draft trees: the drafted chain plus the drafter's best runners-up as leaves, verified
-in one target forward and accepted by the tree rule (tree.py), then laid out as a chain again.
+"""A round's draft trees: the drafted chain plus the drafter's best other candidates, verified in
+one target forward and accepted by the tree rule (tree.py), then laid out as a chain again.
 
 Shape (terms as in tree.py): a row's nodes are its chain d_1..d_K (nodes 0..K-1, each the child
-of the one before) followed by ``extra`` runner-up leaves (nodes K..K+extra-1): a runner-up of
-d_{j+1} (drafters/base.py ``Alternatives``) is a child of d_j, the root's for j = 0, tried after
-d_{j+1}. The leaves kept are the row's ``extra`` most worth (their estimated chance of being
-accepted); within a position worth decreases in the order drawn, so the kept runners-up of a
-position are a prefix of that order, as the rule needs. A row with ``extra`` = 0 is a plain chain
-in the same forward: a batch mixes trees and chains.
+of the one before) followed by ``extra`` more nodes (nodes K..K+extra-1), the row's ``extra``
+candidates most worth (their estimated chance of being accepted) among:
+  * runners-up (drafters/base.py ``Alternatives``): a runner-up of d_{j+1} is a child of d_j, the
+    root's for j = 0, tried after d_{j+1}; within a position worth decreases in the order drawn,
+    so the kept runners-up of a position are a prefix of that order, as the rule needs;
+  * deeper nodes (``Alternatives.more``, EAGLE-2's expansion: drafters/eagle/expand.py): children
+    of runners-up and of each other, never worth more than their parent.
+Kept nodes are laid out in id order (parents first); ties go to the earlier id, so a kept node's
+ancestors are kept. A row with ``extra`` = 0 is a plain chain in the same forward: a batch mixes
+trees and chains.
 
-Why chain + leaves: the head drafts the chain in K sequential steps either way, and its runners-up
-come from the logits it already computed, so a tree costs the drafter nothing more; the verify's
-extra queries are the whole price, and the controller weighs them (kcontrol/controller.py).
+Why around the chain: the head drafts the chain in K sequential steps either way; its runners-up
+come from the logits it already computed, and the expansion's nodes from the same K calls (more
+rows each), so the verify's extra queries are most of a tree's price, and the controller weighs
+them (kcontrol/controller.py).
 
 After acceptance (:func:`settle`), the accepted path is rewritten as the chain the rest of the
 round expects (row b emits ``drafts[b, :accepted]`` and the next token; ``probs[b, i]`` is the
@@ -44,33 +49,50 @@ class DraftTree(NamedTuple):
     tree: Tree  # the verify's depths and visibility, over the root and the n nodes
     width: int  # the most children a node has
     chain: int  # K: nodes [0, K) are the chains, the rest leaves
+    point: torch.Tensor | None  # [batch] bool: candidates tried as point masses (tree.py)
 
 
 def grow(
     drafts: torch.Tensor,  # [batch, K] long: the chains
     num_draft: list[int],
     draft_probs: torch.Tensor | None,  # [batch, K, vocab]
-    alts: Alternatives,  # [batch, K' <= K, S]
-    extra: list[int],  # leaves per row (0: a chain)
+    alts: Alternatives,  # [batch, K' <= K, S], and deeper nodes
+    extra: list[int],  # nodes besides the chain per row (0: a chain)
 ) -> DraftTree:
-    """The rows' trees (module docstring); ``max(extra)`` leaf columns after the K chain ones."""
+    """The rows' trees (module docstring): each row's ``extra[b]`` most worth candidates (the
+    runners-up and ``alts.more``; ties to the earlier id, so a kept node's ancestors are kept),
+    in id order, in ``max(extra)`` columns after the K chain ones."""
     batch, k = drafts.shape
     dev = drafts.device
     n_leaf = max(extra)
     kk, s = alts.tokens.shape[1], alts.tokens.shape[2]
     chain_ok = torch.arange(k, device=dev)[None, :] < to_device(num_draft, torch.long, dev)[:, None]
-    # leaves: the row's n_leaf best runners-up, of positions it drafted
+    # candidates in id order (the runners-up, then the deeper nodes), ids past the chain's
+    run_par = (torch.arange(kk, device=dev) - 1).repeat_interleave(s)  # [K' S]: d_j's node
     worth = alts.values.masked_fill(~chain_ok[:, :kk, None], float("-inf")).flatten(1)
-    best = worth.topk(min(n_leaf, kk * s), dim=-1)  # [batch, n_leaf']
-    pos = best.indices // s  # [batch, n_leaf']: the position j whose runner-up it is
-    leaf_tok = alts.tokens.flatten(1).gather(1, best.indices)
-    leaf_ok = (best.values > float("-inf")) & (
-        torch.arange(best.indices.shape[1], device=dev)[None, :]
-        < to_device(extra, torch.long, dev)[:, None]
-    )
+    cand_tok, cand_par = alts.tokens.flatten(1), run_par[None].expand(batch, -1)
+    if alts.more is not None:
+        more_tok, more_val, more_par = alts.more
+        cand_tok = torch.cat([cand_tok, more_tok], dim=1)  # [batch, M]
+        worth = torch.cat([worth, more_val], dim=1)
+        cand_par = torch.cat([cand_par, more_par], dim=1)
+    m = worth.shape[1]
+    order = torch.sort(worth, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(m, device=dev).expand(batch, -1))
+    keep = (rank < to_device(extra, torch.long, dev)[:, None]) & (worth > float("-inf"))
+    # the kept ones in id order, then the rest: [batch, n_leaf]
+    ids = torch.arange(m, device=dev)[None, :]
+    pick = torch.sort(torch.where(keep, ids, m + ids), dim=1).indices[:, :n_leaf]
+    leaf_ok = keep.gather(1, pick)
+    leaf_tok = cand_tok.gather(1, pick)
+    new_id = torch.where(keep, k + keep.long().cumsum(1) - 1, -1)  # [batch, M]: its node
+    par = cand_par.gather(1, pick)  # the parent's id: the root, a chain node or a candidate
+    par_new = new_id.gather(1, (par - kk).clamp(0, m - 1))
+    leaf_ok &= (par < kk) | (par_new >= 0)  # (an orphan is never tried: none is made)
+    leaf_par = torch.where(par < kk, par, par_new).masked_fill(~leaf_ok, -1)
     tokens = torch.cat([drafts, leaf_tok], dim=1)  # [batch, n]
     chain_par = torch.arange(-1, k - 1, device=dev)[None, :].expand(batch, -1)
-    parents = torch.cat([chain_par, pos - 1], dim=1)  # a runner-up of d_{j+1} hangs on d_j
+    parents = torch.cat([chain_par, leaf_par], dim=1)  # a runner-up of d_{j+1} hangs on d_j
     valid = torch.cat([chain_ok, leaf_ok], dim=1)
     n = tokens.shape[1]
     q = None
@@ -82,8 +104,9 @@ def grow(
     visible[:, 1:, 0] = True  # every node sees the root
     visible[:, 1:, 1:] = ancestors(parents)
     tree = Tree(torch.cat([d.new_zeros(batch, 1), d], dim=1), visible)
-    # leaves in decreasing worth: a position's in their order drawn, tried after its chain node
-    return DraftTree(tokens, parents, valid, q, tree, 1 + min(s, pos.shape[1]), k)
+    # a chain node has its chain child and S runners-up; a deeper node its branch
+    width = 1 + min(max(s, alts.branch - 1), n_leaf)
+    return DraftTree(tokens, parents, valid, q, tree, width, k, alts.point)
 
 
 class Settled(NamedTuple):

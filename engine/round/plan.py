@@ -39,6 +39,7 @@ class RoundPlan:
     # runners-up the drafter adds to each drafted token (Proposal.alternatives), for the rows
     # the round verifies as trees (engine/round/draft_tree.py); 0: chains only
     alternatives: int = 0
+    leaves: list[int] | None = None  # the nodes past its chain each row's tree may keep (host)
 
     @property
     def num_zero(self) -> torch.Tensor:

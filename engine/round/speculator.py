@@ -77,7 +77,7 @@ class Speculator:
         asked = [0 if f else self.controller.k_for(s, cap) for s, cap, f in zip(seqs, caps, forced)]
         plan = self._plan(seqs, [len(f) or k for f, k in zip(forced, asked)])
         leaves = self._leaves(seqs, asked, plan.ks, invariant)  # a tree's leaves per row
-        plan.alternatives = max(leaves)
+        plan.alternatives, plan.leaves = max(leaves), leaves
         # 2. propose
         clock = PhaseClock(self.device)  # the draft and verify phases' device time
         clock.mark()
@@ -129,7 +129,7 @@ class Speculator:
                 uniforms = torch.cat([uniforms, leaf_u], dim=1)
             path, num_acc, next_tok = tree_accept(
                 probs, nodes, tree.parents, tree.valid, tree.q, plan.greedy, uniforms,
-                plan.noise, kmax, tree.width,
+                plan.noise, kmax, tree.width, tree.point,
             )  # fmt: skip
             st = settle(tree, path, num_acc, probs, tapped, self.target.cache, slots, starts)
             drafts, probs, tapped, tree_stats = st
@@ -169,7 +169,8 @@ class Speculator:
         width = max(asked)  # the drafter's own steps: forced runs cost it none
         steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
         rest_s = (t3 - t_start) - draft_s
-        self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up)
+        extra = prop.extra_rows if prop is not None else 0  # a tree's expansion's head rows
+        self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up, extra)
         return outputs
 
     def _leaves(

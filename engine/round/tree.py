@@ -31,6 +31,12 @@ the rejections before it. So candidates must be a sample of q without replacemen
 top-k), and a kept subset must be a prefix of that order: the first-choice candidates of a
 deterministic top-k are not a sample of q, and a rule that tries a sibling against q itself,
 not q_i, over-accepts the second one.
+
+Chosen candidates (a row drafted deterministically, e.g. its head's top q: EAGLE-2's expansion,
+drafters/eagle/expand.py) are each tried as a point mass: q_i = the point mass at x_i, so x_i is
+accepted with probability p_{i-1}(x_i) and p_i is p_{i-1} without x_i, renormalised. That is the
+same step with a proposal that put all its mass on x_i, exact whatever chose x_i, as long as
+nothing of the target's draws did; a rule that kept x_i in p_i would emit it too often.
 """
 
 from __future__ import annotations
@@ -82,6 +88,8 @@ def tree_accept(
     noise: torch.Tensor | None,  # [batch, vocab] Exp(1) for the emitted sample; None: all greedy
     depth: int,  # the deepest node's depth (host int: the loops need no device sync)
     width: int,  # the most children a node has
+    point: torch.Tensor | None = None,  # [batch] bool: rows whose candidates were chosen, not
+    # drawn: each tried as a point mass (module docstring)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(path [batch, depth] long, num_accepted [batch], next_token [batch])``: row b
     emits ``tokens[b, path[b, :num_accepted[b]]]`` then ``next_token[b]`` (path padded with
@@ -90,6 +98,7 @@ def tree_accept(
     dev = tokens.device
     rows = torch.arange(batch, device=dev)
     real = valid
+    point = point if noise is not None else None  # (every row greedy: argmax walks alone)
     cur = torch.full((batch,), -1, dtype=torch.long, device=dev)  # the node a row stands at
     walking = torch.ones(batch, dtype=torch.bool, device=dev)
     path = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)  # last: scratch
@@ -107,8 +116,14 @@ def tree_accept(
             cand = torch.where(is_r, node_ids, n).min(-1).values.clamp(max=n - 1)  # [batch]
             x = tokens[rows, cand]  # [batch]
             argmax_ok = x == target_probs[rows, cur + 1].argmax(-1)
-            if q is not None:
-                q_norm = q / q.sum(-1, keepdim=True).clamp_min(1e-30)  # q_i
+            if q is not None or point is not None:
+                if q is not None:
+                    q_norm = q / q.sum(-1, keepdim=True).clamp_min(1e-30)  # q_i
+                else:
+                    q_norm = torch.zeros_like(p)
+                if point is not None:  # q_i = the point mass at x
+                    hot = torch.zeros_like(p).scatter_(1, x[:, None], 1.0)
+                    q_norm = torch.where(point[:, None], hot, q_norm)
                 q_x = q_norm[rows, x]
                 sampled_ok = uniforms[rows, cand] * q_x < p[rows, x]  # u < p(x) / q_i(x)
                 ok = torch.where(greedy, argmax_ok, sampled_ok) & trying
@@ -119,7 +134,8 @@ def tree_accept(
                 mass = residual.sum(-1, keepdim=True)
                 residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)
                 p = torch.where(reject[:, None], residual, p)
-                q = torch.where(reject[:, None], without(q, x), q)
+                if q is not None:
+                    q = torch.where(reject[:, None], without(q, x), q)
             else:
                 ok = argmax_ok & trying
             accepted |= ok

@@ -38,20 +38,29 @@ from loadtest.bench.eagle import fitting_prompts
 SETS = ("mt-bench", "humaneval", "sharegpt-e")
 
 
-def shape(text: str) -> tuple[int, int]:
-    """``K`` or ``K+L`` (``a`` for K: the adaptive controller, with up to L leaves)."""
-    k, _, leaves = text.partition("+")
-    return (-1 if k == "a" else int(k)), int(leaves or 0)
+def shape(text: str) -> tuple[int, int, int]:
+    """``K``, ``K+L`` or ``K+LxB`` (``a`` for K: the adaptive controller, with up to L
+    leaves; ``xB``: the leaves from EAGLE-2's expansion with top B, drafter.tree_topk)."""
+    k, _, rest = text.partition("+")
+    leaves, _, topk = rest.partition("x")
+    return (-1 if k == "a" else int(k)), int(leaves or 0), int(topk or 0)
 
 
-def controller(engine, k: int, leaves: int):
+def controller(engine, k: int, leaves: int, topk: int = 0):
     """FixedK(k, leaves), or for k = -1 the adaptive controller as the builder makes it for the
-    EAGLE-3 head (K_max 7, its leaves up to ``leaves``), calibrated once and kept per shape."""
+    EAGLE-3 head (K_max 7, its leaves up to ``leaves``, an expansion's ``topk`` - 1 extras
+    priced), calibrated once and kept per shape."""
     if k >= 0:
         return FixedK(k, leaves)
-    key = ("adaptive", leaves)
+    key = ("adaptive", leaves, topk)
     if key not in CONTROLLERS:
-        ctrl = AdaptiveK(7, engine.drafter.steps, always_drafts=True, max_leaves=leaves)
+        ctrl = AdaptiveK(
+            7,
+            engine.drafter.steps,
+            always_drafts=True,
+            max_leaves=leaves,
+            expand_rows=max(topk - 1, 0),
+        )
         ctrl.price_shapes(engine.target.padded_shape)
         ctrl.calibrate(engine.target, None, engine.target.cache.free_slots()[:4])
         CONTROLLERS[key] = ctrl
@@ -61,9 +70,10 @@ def controller(engine, k: int, leaves: int):
 CONTROLLERS: dict = {}
 
 
-def run_shape(engine, ids, k, leaves, max_tokens, concurrency):
+def run_shape(engine, ids, k, leaves, topk, max_tokens, concurrency):
     """The prompts ``concurrency`` at a time at this shape; (seconds, sequences)."""
-    engine.controller = engine.speculator.controller = controller(engine, k, leaves)
+    engine.controller = engine.speculator.controller = controller(engine, k, leaves, topk)
+    engine.drafter.branch = topk  # (the head's cache has room for the largest: main)
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     seqs, t0 = [], time.perf_counter()
     for start in range(0, len(ids), concurrency):
@@ -122,14 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--max-n", type=int, default=16, help="verify cost up to N tokens")
+    ap.add_argument("--max-n", type=int, default=16, help="verify cost up to N tokens (0: none)")
     ap.add_argument("--json", default="loadtest/results/trees.json")
     args = ap.parse_args(argv)
     raw = yaml.safe_load(Path(args.config).read_text())["engine"]
+    shapes = [shape(s) for s in args.shapes.split(",")]
+    topk = max(b for _, _, b in shapes)
     raw["drafter"] = raw["drafter"] | {"ngram_fallback": 0, "controller": "fixed", "k_max": 16}
+    raw["drafter"] |= {"tree_topk": topk, "tree_leaves": 1} if topk else {}
     served = raw.get("compile", {}).get("q_buckets") or [1, 2, 4, 8]
     raw["compile"] = raw.get("compile", {}) | {  # the served q buckets, and one for N = max_n
-        "q_buckets": sorted(set(served) | {args.max_n}),
+        "q_buckets": sorted(set(served) | {max(args.max_n, 16)}),
         "batch_buckets": sorted({1, args.batch}),
     }
     raw["max_running"] = max(args.batch, 8)
@@ -145,14 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         for p, _ in pairs
     ]  # fmt: skip
     ids = [i for _, i in pairs]
-    shapes = [shape(s) for s in args.shapes.split(",")]
     result: dict = {"prompts": {s: sets.count(s) for s in SETS}, "runs": [], "verify": []}
     reference = None
     for rep in range(args.repeat):
         order = shapes if rep % 2 == 0 else shapes[::-1]  # ABBA
         for conc in (1, args.batch):
-            for k, leaves in order:
-                secs, seqs = run_shape(engine, ids, k, leaves, args.max_tokens, conc)
+            for k, leaves, topk in order:
+                secs, seqs = run_shape(engine, ids, k, leaves, topk, args.max_tokens, conc)
                 outs = [s.output_ids for s in seqs]
                 reference = reference or outs
                 by_set = defaultdict(lambda: [0, 0])
@@ -161,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                     by_set[name][1] += s.target_passes
                 trees = sum(s.tree_rounds for s in seqs)
                 row = {
-                    "shape": f"{'a' if k < 0 else k}" + (f"+{leaves}" if leaves else ""),
+                    "shape": f"{'a' if k < 0 else k}"
+                    + (f"+{leaves}" if leaves else "")
+                    + (f"x{topk}" if topk else ""),
                     "concurrency": conc,
                     "repeat": rep,
                     "tok_s": sum(len(o) for o in outs) / secs,

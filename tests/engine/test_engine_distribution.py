@@ -26,6 +26,7 @@ from engine.drafters import model as draft_model_module
 from engine.drafters.eagle.drafter import RunnersUp
 from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.requests.sequence import SpecParams
+from engine.round import speculator as speculator_module
 from engine.round import tree as tree_module
 from engine.round.rejection import rejection_sample
 from engine.round.sampling import SamplingParams
@@ -36,7 +37,7 @@ from tests.distribution import (
     chi_square_gof,
     exact_joint,
 )
-from tests.helpers import assert_speculated, engine_for, sharp_tiny
+from tests.helpers import assert_speculated, engine_for, sharp_tiny, spy_deep_paths
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -409,15 +410,18 @@ def tree_head(target):
     return random_head(5, vocab=V, draft_vocab=6, layers=t.num_hidden_layers, hidden=t.hidden_size)
 
 
-def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None):
+def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None, topk=0):
     """``n`` unseeded requests (a seeded row stays a chain: draft_tree.may_grow) with trees of
-    ``LEAVES`` leaves at K; the engine's seed source fixed. ``wrong(monkeypatch)`` breaks it."""
+    ``LEAVES`` leaves at K; the engine's seed source fixed. ``wrong(monkeypatch)`` breaks it.
+    ``topk``: the trees expand EAGLE-2's way (drafter.tree_topk), their candidates chosen."""
     monkeypatch.setattr(secrets, "randbits", random.Random(23).getrandbits)
     if wrong is not None:
         wrong(monkeypatch)
     engine = engine_for(
-        target, "eagle3", **SIZES, head=tree_head(target), controller=FixedK(K, LEAVES)
-    )
+        target, "eagle3", **SIZES, head=tree_head(target), controller=FixedK(K, LEAVES),
+        tree_topk=topk,
+    )  # fmt: skip
+    deep = spy_deep_paths(monkeypatch)  # accepted nodes below a runner-up, per round
     params = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
     )
@@ -425,15 +429,17 @@ def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None
     assert_speculated(seqs, min_drafted=n)
     trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
     assert trees >= n and hits > n // 100, (trees, hits)  # trees ran; leaves were taken
+    assert (sum(deep) > n // 100) == bool(topk), sum(deep)  # the expansion's nodes were taken
     return seqs
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("topk", [0, 3], ids=["leaves", "expanded"])
 @pytest.mark.parametrize("temperature,top_k,top_p,n", [(1.0, 0, 1.0, N), (0.8, 5, 0.9, N)])
 def test_draft_trees_match_target_distribution(
-    tree_target, tree_joint, monkeypatch, temperature, top_k, top_p, n
+    tree_target, tree_joint, monkeypatch, temperature, top_k, top_p, n, topk
 ):
-    seqs = sample_trees(tree_target, monkeypatch, temperature, top_k, top_p, n)
+    seqs = sample_trees(tree_target, monkeypatch, temperature, top_k, top_p, n, topk=topk)
     assert_fits(outputs(seqs), tree_joint(temperature, top_k, top_p), f"trees T={temperature}")
 
 
@@ -458,10 +464,25 @@ def runners_up_by_rank(monkeypatch):
     monkeypatch.setattr(RunnersUp, "take", by_rank)
 
 
+def chosen_tried_as_drawn(monkeypatch):
+    """An expanded tree's candidates (chosen, not drawn) tried by the rule for drawn ones, not
+    each as a point mass: the chain's one-hot q still tries its node right, but a sibling meets
+    the q left without it (nothing) and is taken whenever the target allows it."""
+    accept = speculator_module.tree_accept
+    monkeypatch.setattr(
+        speculator_module,
+        "tree_accept",
+        lambda *a: accept(*a[:10], None),  # no point rows
+    )
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("wrong", [siblings_against_q, runners_up_by_rank])
-def test_the_test_rejects_wrong_tree_rules(tree_target, tree_joint, monkeypatch, wrong):
-    seqs = sample_trees(tree_target, monkeypatch, 1.0, 0, 1.0, N_POWER, wrong=wrong)
+@pytest.mark.parametrize(
+    "wrong,topk",
+    [(siblings_against_q, 0), (runners_up_by_rank, 0), (chosen_tried_as_drawn, 3)],
+)
+def test_the_test_rejects_wrong_tree_rules(tree_target, tree_joint, monkeypatch, wrong, topk):
+    seqs = sample_trees(tree_target, monkeypatch, 1.0, 0, 1.0, N_POWER, wrong=wrong, topk=topk)
     assert_rejects(outputs(seqs), tree_joint(1.0, 0, 1.0), wrong.__name__)
 
 

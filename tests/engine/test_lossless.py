@@ -105,19 +105,24 @@ def test_eagle_head_under_adaptive_k_is_lossless(real_fp32, prompts, reference, 
     assert engine.target.cache.used_tokens() == 0 and engine.drafter.cache.used_tokens() == 0
 
 
+@pytest.mark.parametrize("topk", [0, 4], ids=["leaves", "expanded"])
 def test_eagle_trees_are_lossless_and_both_caches_follow_the_path(
-    real_fp32, prompts, reference, head
+    real_fp32, prompts, reference, head, monkeypatch, topk
 ):
-    """Draft trees (the head's chain of K = 3 plus 4 of its runners-up as leaves) in a ragged
-    batch with chains beside them (seeded rows stay chains: draft_tree.may_grow): greedy output
-    is the reference's; after every round the target's cache equals a fresh prefill and the
-    head's pending features are the target's fresh features of the same positions, after paths
-    that ended at a leaf deep in the tree and at the root's."""
+    """Draft trees (the head's chain of K = 3 plus 4 of its runners-up as leaves, or a chain of
+    2 plus 6 nodes of EAGLE-2's expansion with top 4) in a ragged batch with chains beside them
+    (seeded rows stay chains: draft_tree.may_grow): greedy output is the reference's; after
+    every round the target's cache equals a fresh prefill and the head's pending features are
+    the target's fresh features of the same positions, after paths that ended off the chain
+    deep in the tree and at the root's, and (expanded) paths through a node below a
+    runner-up."""
     from engine.kcontrol.controller import FixedK
 
     engine = helpers.engine_for(
-        real_fp32[0], "eagle3", slots=8, max_len=1024, head=head, controller=FixedK(3, 4)
-    )
+        real_fp32[0], "eagle3", slots=8, max_len=1024, head=head,
+        controller=FixedK(3, 4) if not topk else FixedK(2, 6), tree_topk=topk,
+    )  # fmt: skip
+    deep = helpers.spy_deep_paths(monkeypatch)
     target, eagle = engine.target, engine.drafter
     spare = 7  # a slot no request takes (4 requests), for the fresh forwards
     params = [
@@ -151,6 +156,7 @@ def test_eagle_trees_are_lossless_and_both_caches_follow_the_path(
                 torch.testing.assert_close(pend.float(), want.float(), atol=2e-4, rtol=1e-4)
             checked += 1
     assert checked >= 10 and hits == {"deep", "root"}, (checked, hits)
+    assert (sum(deep) > 0) == bool(topk), sum(deep)
     assert_same(seqs, reference[4:])
     helpers.assert_speculated(seqs)
     trees = [s.tree_rounds for s in seqs]

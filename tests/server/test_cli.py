@@ -151,3 +151,18 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
 
 def test_several_served_model_names():
     assert parse(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+
+
+def test_tree_flags_and_their_environment(monkeypatch):
+    """--tree-leaves / --tree-topk (and SPECD_TREE_LEAVES / SPECD_TREE_TOPK) set the drafter's
+    draft trees; a top-k of 1 is refused (0: the chain's runners-up; 2 and up: an expansion)."""
+    for name in ("SPECD_TREE_LEAVES", "SPECD_TREE_TOPK"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = cli._config(parse(["--tree-leaves", "4", "--tree-topk", "4"]))
+    assert (cfg.drafter.tree_leaves, cfg.drafter.tree_topk) == (4, 4)
+    monkeypatch.setenv("SPECD_TREE_LEAVES", "3")
+    monkeypatch.setenv("SPECD_TREE_TOPK", "2")
+    cfg = cli._config(parse([]))
+    assert (cfg.drafter.tree_leaves, cfg.drafter.tree_topk) == (3, 2)
+    with pytest.raises(SystemExit):
+        cli._config(parse(["--tree-topk", "1"]))

@@ -38,6 +38,7 @@ import torch
 
 from engine.drafters.base import Alternatives, DrafterBase, Proposal
 from engine.drafters.chain import Position, RowParams, draft_chain
+from engine.drafters.eagle.expand import Expansion
 from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.head import Eagle3Head
 from engine.drafters.eagle.step import HeadGraphs, HeadStep, HeadWeights, head_forward
@@ -96,11 +97,24 @@ class EagleDrafter(DrafterBase):
     trees = True  # the head's runners-up
 
     def __init__(
-        self, head: Eagle3Head, embed: torch.nn.Module, num_slots: int, max_len: int, vocab: int
+        self,
+        head: Eagle3Head,
+        embed: torch.nn.Module,
+        num_slots: int,
+        max_len: int,
+        vocab: int,
+        branch: int = 0,
+        k_max: int = 0,
     ):
+        """``branch`` B >= 2: draft trees expand EAGLE-2's way (expand.py), B children a node
+        and B - 1 extras a depth, for chains of up to ``k_max``; else a tree is the chain's
+        runners-up."""
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         c = head.config
+        self.branch = branch if branch >= 2 else 0
+        room = k_max * self.branch  # the columns a tree row writes past the chain's (expand.py)
+        max_len += room
         self.head, self.vocab_size = head.eval(), vocab
         self.embed = head.embed_tokens if head.embed_tokens is not None else embed
         p = next(head.parameters())
@@ -225,15 +239,26 @@ class EagleDrafter(DrafterBase):
         if isinstance(self.forward, HeadCapture):
             self.forward.capture_all(self.weights, *kv, self.shape, width)
         elif isinstance(self.forward, HeadGraphs):
-            self.forward.warm_up(self._run, width, self.dtype, self.device, self.cache.scratch_pos)
+            self.forward.warm_up(
+                self._run, width, self.dtype, self.device, self.cache.scratch_pos, self.branch > 0
+            )
 
-    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, ingest):
+    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, ingest, visible=None):
         """:func:`head_forward` (compiled or eager) on the head's weights and cache; ``last``,
-        ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1)."""
+        ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1).
+        ``visible`` (a tree's step, q = 1): each row's committed length ``[rows]`` and the tree
+        columns past it that it sees ``[rows, W]`` (expand.py)."""
         dev, c = self.device, self.cache
         kv_len = min(-(-max(kv_len, 2) // KV_ALIGN) * KV_ALIGN, c.max_len + 1)
         last_t, slot_t = to_device(last, torch.long, dev), to_device(slots, torch.long, dev)
-        step = HeadStep(ids, x, last_t, pos, write_pos, self.kv_idx[:kv_len], slot_t, ingest)
+        kv_idx, mask = self.kv_idx[:kv_len], None
+        if visible is not None:
+            real, bits = visible
+            rel = kv_idx[None, :] - real[:, None]  # [rows, kv_len]: the key's tree column
+            w = bits.shape[1]
+            seen = bits.gather(1, rel.clamp(0, w - 1)) & (rel >= 0) & (rel < w)
+            mask = ((rel < 0) | seen)[:, None, None, :]  # [rows, 1, 1, kv_len]
+        step = HeadStep(ids, x, last_t, pos, write_pos, kv_idx, slot_t, ingest, mask)
         try:
             return self.forward(step, self.weights, c.k[0], c.v[0], self.shape)
         except Exception as e:  # a compile failure must not stop drafting
@@ -247,12 +272,23 @@ class EagleDrafter(DrafterBase):
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         """Take in every pending position (the last one's output drafts d_1), then chain the
         head on its own output and the previous draft (:func:`draft_chain`); with
-        ``plan.alternatives``, each drafted token's runners-up too (:class:`RunnersUp`)."""
+        ``plan.alternatives``, each drafted token's runners-up too (:class:`RunnersUp`), and
+        with ``branch`` the tree rows' expansion (expand.py) in the chain's calls."""
         # q matters only to sampled rows: an all-greedy batch reports none (one-hot)
         sampled = any(not plan.params[b].greedy for b, k in enumerate(plan.ks) if k > 0)
-        runners = None
+        runners, grown = None, None
+        # tree rows drafted by expansion: deterministic, their candidates point masses
+        leaves = plan.leaves or [0] * len(seqs)
+        expand = [bool(self.branch and n and k) for n, k in zip(leaves, plan.ks)]
         if plan.alternatives and any(plan.ks):
-            runners = RunnersUp(len(seqs), max(plan.ks), plan.alternatives, self.device)
+            width = self.branch - 1 if any(expand) else plan.alternatives
+            runners = RunnersUp(len(seqs), max(plan.ks), width, self.device)
+        if any(expand):
+            hidden = self.head.config.hidden_size
+            grown = Expansion(
+                len(seqs), max(plan.ks), width, self.branch, hidden, self.dtype, self.device
+            )
+        point = to_device(expand, torch.bool, self.device)  # [batch]
 
         def step(at: Position, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             rows = [seqs[b] for b in at.rows]
@@ -263,18 +299,66 @@ class EagleDrafter(DrafterBase):
                 out = out[at.keep]
             slots = [s.slot for s in rows]
             starts = [self.cache.lengths[s] for s in slots]
-            out, logits = self.chain_step(at.prev, out, slots, starts)  # feed (output, draft)
+            trees = [i for i, b in enumerate(at.rows) if expand[b]]
+            if grown is not None and runners is not None and trees:
+                out, logits = self._grow_step(at, out, trees, slots, grown, runners, plan)
+            else:
+                out, logits = self.chain_step(at.prev, out, slots, starts)  # (output, draft)
             for s, st in zip(slots, starts):
                 self.cache.commit(s, st + 1)
             return logits, out
 
         def choose(logits, rows, row_t, j, p: RowParams, guide: DraftGrammar):
+            if any(expand):  # a tree row drafts its top q
+                p = p._replace(greedy=p.greedy | point[row_t])
             return self._choose(logits, rows, row_t, j, p, plan, guide, sampled, runners)
 
         prop = draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
         if runners is not None:
-            prop.alternatives = Alternatives(runners.tokens, runners.values)
+            more = None
+            if grown is not None:
+                more = (grown.tokens, grown.values, grown.parents)
+            prop.alternatives = Alternatives(
+                runners.tokens, runners.values, more, self.branch, point if any(expand) else None
+            )
+        if grown is not None:  # the extras fed at every step but a row's first
+            prop.extra_rows = grown.e * sum(k - 1 for k, x in zip(plan.ks, expand) if x)
+        if prop.probs is not None and any(expand):  # a deterministic draft's q is one-hot
+            rows_t = point.nonzero()[:, 0]
+            hot = torch.nn.functional.one_hot(prop.tokens[rows_t], self.vocab_size)
+            prop.probs[rows_t] = hot.to(prop.probs.dtype)
         return prop
+
+    @torch.inference_mode()
+    def _grow_step(self, at: Position, out, trees, slots, grown: Expansion, runners, plan):
+        """Step j of a round with tree rows: the chain rows' step and the tree rows' extras of
+        depth j in one head call (expand.py); returns the chain rows' outputs and logits."""
+        j, rows = at.j, at.rows
+        assert at.prev is not None
+        pos_i = to_device(trees, torch.long, self.device)  # the tree rows among ``rows``
+        rows_t = to_device([rows[i] for i in trees], torch.long, self.device)  # batch indices
+        e, w = grown.e, grown.w
+        tok, x, bits = grown.select(
+            j, rows_t, out[pos_i], runners.tokens[rows_t, j - 1], runners.values[rows_t, j - 1]
+        )
+        real = [self.real[s] for s in slots]
+        tree_real = [real[i] for i in trees for _ in range(e)]
+        col = grown.columns(j).repeat(len(trees))  # [R E]
+        all_real = to_device(real + tree_real, torch.long, self.device)  # [V]
+        write = torch.cat([all_real[: len(rows)] + j - 1, all_real[len(rows) :] + col])
+        pos = all_real + j - 1  # [V]: a node of depth j sits at real + j - 1
+        vis = torch.cat([grown.chain_bits(j, len(rows)), bits])  # [V, W]
+        ids = torch.cat([at.prev, tok])[:, None]  # [V, 1]
+        xs = torch.cat([out, x.to(out.dtype)])[:, None]  # [V, 1, hidden]
+        all_slots = slots + [slots[i] for i in trees for _ in range(e)]
+        o, logits = self._run(
+            ids, xs, [0] * len(all_slots), all_slots, pos[:, None], write[:, None],
+            max(real) + w, False, (all_real, vis),
+        )  # fmt: skip
+        n = len(rows)
+        temp = plan.temperature[rows_t].repeat_interleave(e)[:, None]
+        grown.children(j, rows_t, o[n:], torch.softmax(logits[n:] / temp, -1), self.draft_ids)
+        return o[:n], logits[:n]
 
     def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled, runners=None):
         """Draft position j of ``rows`` from the head's logits over the draft vocabulary

@@ -89,9 +89,10 @@ class HeadCapture:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Arguments as :func:`head_forward`'s; outputs ``[rows, hidden]``, logits
         ``[rows, draft_vocab]``."""
-        ids, x, last, pos, write_pos, kv_idx, slot_t, ingest = step
+        ids, x, last, pos, write_pos, kv_idx, slot_t, ingest, mask = step
         rows, q = ids.shape
-        key = None if self.eager else self.key(rows, q, kv_idx.shape[0], ingest)
+        # a draft tree's masked steps run eagerly (not captured)
+        key = None if self.eager or mask is not None else self.key(rows, q, kv_idx.shape[0], ingest)
         if key is None:
             self.eager_calls += 1
             return head_forward(step, w, kc, vc, shape)

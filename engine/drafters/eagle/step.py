@@ -10,7 +10,8 @@ function compiled, so both paths run the same code.
 dropped (they would check every weight and cache on every call, a large part of a short step)
 and the graph is picked by a key the caller's shapes decide: whether rows and q are 1 (torch
 specializes sizes 1; every other size is marked dynamic, as is the key length) and whether the
-call ingests target features (``fc`` runs). Weights, caches, dtypes and the device are the
+call ingests target features (``fc`` runs) and whether it brings its own attention mask (a
+draft tree's step). Weights, caches, dtypes and the device are the
 drafter's, fixed for its life. Invariant: two calls with one key differ only in the dimensions
 marked dynamic and in tensor values.
 """
@@ -68,6 +69,9 @@ class HeadStep(NamedTuple):
     kv_idx: torch.Tensor  # [kv_len] arange: the keys read
     slot_t: torch.Tensor  # [rows] each row's slot in the head's cache
     ingest: bool  # x holds target features
+    # [rows, 1, q, kv_len] bool: the keys each query sees (a draft tree's nodes see their own
+    # ancestors: engine/drafters/eagle/expand.py); None: causal, the keys at positions <= pos
+    mask: torch.Tensor | None = None
 
 
 def head_forward(
@@ -79,14 +83,15 @@ def head_forward(
     Returns the layer's output (before the final norm) at query ``last[b]`` of each row
     ``[rows, hidden]`` and the float32 logits there over the draft vocabulary
     ``[rows, draft_vocab]``."""
-    ids, x, last, pos, write_pos, kv_idx, slot_t, ingest = step
+    ids, x, last, pos, write_pos, kv_idx, slot_t, ingest, mask = step
     eps = shape.eps
     g = linear(x, w.fc) if ingest else x  # [rows, q, hidden]
     e = F.embedding(ids, w.embed)  # [rows, q, hidden]
     a = torch.cat([rms_norm(e, w.layer.input_norm, eps), rms_norm(g, w.hidden_norm, eps)], dim=-1)
     # a: the attention's input [rows, q, 2 hidden]
     cos, sin = w.cos[pos].unsqueeze(1), w.sin[pos].unsqueeze(1)  # [rows, 1, q, head_dim]
-    mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, q, kv_len]
+    if mask is None:
+        mask = (kv_idx[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [rows, 1, q, kv_len]
     with varying_shape_attention(g.device):  # on CUDA, eager or captured (layer.py)
         at = LayerInputs(cos, sin, mask, slot_t, write_pos, None, shape)
         out = decoder_layer(g, w.layer, kc, vc, at, a)
@@ -100,26 +105,38 @@ class HeadGraphs:
 
     def __init__(self, backend: str = "inductor"):
         self.backend = backend
-        self.graphs: dict[tuple, Callable] = {}  # (rows == 1, q == 1, ingest) -> its graph
+        # (rows == 1, q == 1, ingest, masked) -> its graph
+        self.graphs: dict[tuple, Callable] = {}
 
     def __call__(
         self, step: HeadStep, w: HeadWeights, kc: torch.Tensor, vc: torch.Tensor, shape: LayerShape
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Arguments as :func:`head_forward`'s."""
-        key = (step.ids.shape[0] == 1, step.ids.shape[1] == 1, step.ingest)
+        key = (step.ids.shape[0] == 1, step.ids.shape[1] == 1, step.ingest, step.mask is not None)
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = compile_guardless(head_forward, self.backend)
             self._mark(step)
         return fn(step, w, kc, vc, shape)
 
-    def warm_up(self, run: Callable, width: tuple[int, int], dtype, device, scratch_pos: int):
+    def warm_up(
+        self,
+        run: Callable,
+        width: tuple[int, int],
+        dtype,
+        device,
+        scratch_pos: int,
+        masked: bool = False,
+    ):
         """Compile every key through the drafter's ``run`` (EagleDrafter._run) on the scratch
-        column: rows and q each 1 or more, ingest or chain (``width``: ingest's, chain's x)."""
+        column: rows and q each 1 or more, ingest or chain (``width``: ingest's, chain's x), and
+        with ``masked`` a tree's masked steps."""
         t0 = time.perf_counter()
+        shapes = [(1, True, False), (3, True, False), (1, False, False)]
+        shapes += [(1, False, True)] if masked else []
         with torch.inference_mode():
             for rows in (1, 2):
-                for q, ingest in ((1, True), (3, True), (1, False)):
+                for q, ingest, tree in shapes:
                     x = torch.zeros(rows, q, width[not ingest], dtype=dtype, device=device)
                     ids = torch.zeros(rows, q, dtype=torch.long, device=device)
                     scratch = torch.full((rows, q), scratch_pos, device=device)
@@ -132,6 +149,9 @@ class HeadGraphs:
                         scratch,
                         1,
                         ingest,
+                        (ids[:, 0], torch.ones(rows, 1, dtype=torch.bool, device=device))
+                        if tree
+                        else None,
                     )
         log.info("compiled the EAGLE-3 head in %.1f s", time.perf_counter() - t0)
 
@@ -141,9 +161,11 @@ class HeadGraphs:
         dynamic on the call that compiles a key."""
         import torch._dynamo as dynamo
 
-        ids, x, last, pos, write_pos, kv_idx, slot_t, _ = step
+        ids, x, last, pos, write_pos, kv_idx, slot_t, _, mask = step
         marks = [(ids, 0), (ids, 1), (x, 0), (x, 1), (last, 0), (pos, 0), (pos, 1)]
         marks += [(write_pos, 0), (write_pos, 1), (kv_idx, 0), (slot_t, 0)]
+        if mask is not None:
+            marks += [(mask, 0), (mask, 2), (mask, 3)]
         for t, d in marks:
             if t.shape[d] > 1:
                 dynamo.mark_dynamic(t, d)

@@ -34,9 +34,11 @@ def machine(per_token: float, buckets=(1, 4, 8)):
     return cost, true_cost
 
 
-def run(ctrl, true_cost, batch=1, rounds=80, alpha=0.45, beta=0.5, seed=0):
+def run(ctrl, true_cost, batch=1, rounds=80, alpha=0.45, beta=0.5, seed=0, row_step=0.0):
     """Rounds where a draft is accepted with chance α given the ones before, and a round whose
-    chain was cut short ends at a leaf with chance β·leaf_reach(L); returns (K, L) per round."""
+    chain was cut short ends at a leaf with chance β·leaf_reach(L); returns (K, L) per round.
+    A draft step costs ``row_step`` a head row (a tree row's expansion adds
+    ``ctrl.expand_rows`` rows to each step but its first)."""
     rng = np.random.default_rng(seed)
     seqs = [seq(i) for i in range(batch)]
     out = []
@@ -52,7 +54,9 @@ def run(ctrl, true_cost, batch=1, rounds=80, alpha=0.45, beta=0.5, seed=0):
             stats = RoundStats(k, k, acc + hit, acc + hit + 1, 0.0, 0.0, width)
             stats.leaves, stats.leaf_hit = n, hit
             ctrl.observe(s, k, stats, 7)
-        ctrl.end_round(batch, width, max(ks), true_cost(batch, width), 0.0)
+        extra = getattr(ctrl, "expand_rows", 0) * sum(k - 1 for k, n in zip(ks, ls) if n)
+        draft_s = row_step * (max(ks) * batch + extra)
+        ctrl.end_round(batch, width, max(ks), true_cost(batch, width), draft_s, 0, extra)
         out.append((max(ks), max(ls)))
     return out
 
@@ -109,3 +113,21 @@ def test_rows_that_may_not_grow_a_tree_get_none():
     assert ctrl.leaves_for(free, 3, 4) > 0 and ctrl.leaves_for(pinned, 3, 4) == 0
     assert ctrl.leaves_for(free, 0, 4) == 0  # no chain, no leaves
     assert FixedK(3, 2).leaves_for(pinned, 3, 1) == 1  # within the cap
+
+
+def test_an_expansions_head_rows_are_priced():
+    """Where a verify's queries are cheap, leaves pay; where each head row of a draft step costs
+    more than the deeper nodes add, a tree that expands (its B - 1 extras fed at every step after
+    the first: drafters/eagle/expand.py) does not, and the controller, fitting the draft
+    phase's row-steps with the extras counted, grows trees only at K = 1 (the root's candidates:
+    no step to expand); runners-up alone (no extra head rows) hang on deeper chains."""
+    step = 0.001  # a head row of a draft step
+    cost, true_cost = machine(0.0002)
+    cost.add_step_calibration(1, step)
+    leaves = run(AdaptiveK(7, cost=cost, max_leaves=4), true_cost, row_step=step)
+    assert np.mean([n > 0 and k > 1 for k, n in leaves[20:]]) > 0.8, leaves
+    cost, true_cost = machine(0.0002)
+    cost.add_step_calibration(1, step)
+    expanded = AdaptiveK(7, cost=cost, max_leaves=4, expand_rows=3)
+    rounds = run(expanded, true_cost, row_step=step)
+    assert all(k == 1 for k, n in rounds[20:] if n > 0), rounds

@@ -172,7 +172,7 @@ class PlainThenK(FixedK):
     def expects_drafts(self):
         return self.eager or self.plain <= 0
 
-    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0):
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
         self.plain -= 1
         self.catch_ups.append(catch_up)
 
@@ -248,12 +248,14 @@ def test_sampled_distribution_matches_target():
     assert_rejects(draws(wrong, prompt, **sampling), exact, "eagle3, q reported uniform")
 
 
+@pytest.mark.parametrize("topk", [0, 3], ids=["leaves", "expanded"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled):
-    """Draft trees (the chain of K = 3 plus 4 runners-up as leaves: round/draft_tree.py) in
-    ragged batches beside chains (a row with a logit bias stays a chain: draft_tree.may_grow),
-    eager and on the compiled path (its graphs replayed with the tree mask): greedy output is
-    plain decoding's, and paths ended at leaves."""
+def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled, topk, monkeypatch):
+    """Draft trees (the chain of K = 3 plus 4 nodes: runners-up as leaves, or EAGLE-2's
+    expansion with top 3: round/draft_tree.py, eagle/expand.py) in ragged batches beside chains
+    (a row with a logit bias stays a chain: draft_tree.may_grow), eager and on the compiled path
+    (its graphs replayed with the tree mask; the head's masked steps compiled): greedy output
+    is plain decoding's, and paths ended at leaves (expanded: below runners-up too)."""
     from engine.kcontrol.controller import FixedK
     from engine.model.compiled import CompileConfig
 
@@ -268,8 +270,10 @@ def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled):
     plain = helpers.engine_for(target, None, slots=4)
     ref = [s.output_ids for s in plain.generate(ps, params)]
     eagle = helpers.engine_for(
-        target, "eagle3", 4, head=echo_head(target), controller=FixedK(3, 4), compile=cfg
-    )
+        target, "eagle3", 4, head=echo_head(target), controller=FixedK(3, 4), compile=cfg,
+        tree_topk=topk,
+    )  # fmt: skip
+    deep = helpers.spy_deep_paths(monkeypatch)
     if compiled:
         eagle.warm_up()
         before = eagle.target.fast.calls
@@ -280,5 +284,80 @@ def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled):
     assert all(t > 0 for t, p in zip(trees, params) if not p.logit_bias)
     assert all(t == 0 for t, p in zip(trees, params) if p.logit_bias)  # chains beside them
     assert sum(s.leaf_hits for s in out) > 0
+    assert (sum(deep) > 0) == bool(topk), sum(deep)
     if compiled:
         assert eagle.target.fast.calls > before and eagle.target.fast is not None
+        masked = [key[3] for key in eagle.drafter.forward.graphs]  # the head's compiled graphs
+        assert any(masked) == bool(topk), masked
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_expansion_nodes_are_what_the_head_drafts_along_their_path(target, sampled):
+    """EAGLE-2's expansion (drafter.tree_topk: expand.py) feeds the head a tree's extra nodes in
+    the chain's calls, each under a mask of its own ancestors at its own cache column. Every node
+    it makes (the chain's runners-up and the extras' children, with parents) is worth the
+    product of the head's q along its path, as the head drafting that path as a chain computes
+    it afresh; a sampled row drafts deterministically too (its chain is each depth's top q) and
+    reports q one-hot. A random head (its attention live, unlike the echo head's), batch of 2."""
+    from engine.kcontrol.controller import FixedK
+
+    head = random_head(5, vocab=VOCAB, draft_vocab=12)
+    eng = helpers.engine_for(target, "eagle3", 4, head=head, controller=FixedK(3, 5), tree_topk=3)
+    d = eng.drafter
+    seen = {}
+    ingest, propose = d._ingest, d.propose
+
+    def spy_ingest(seqs, counts):
+        out, logits = ingest(seqs, counts)
+        seen["root"] = (out.clone(), logits.clone(), [d.real[s.slot] for s in seqs])
+        seen["slots"] = [s.slot for s in seqs]
+        return out, logits
+
+    def spy_propose(seqs, plan):
+        prop = propose(seqs, plan)
+        seen.setdefault("props", []).append((prop, seen["root"], seen["slots"]))
+        return prop
+
+    d._ingest, d.propose = spy_ingest, spy_propose
+    t = 1.0 if sampled else 0.0
+    ps = prompts(2, seed=4)
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=t, max_tokens=12), SpecParams(k=3))
+    checked = 0
+    while eng.has_work() and checked < 40:
+        n_props = len(seen.get("props", []))
+        eng.step()
+        if len(seen.get("props", [])) == n_props:
+            continue
+        prop, (out_root, logits_root, reals), slots = seen["props"][-1]
+        alts = prop.alternatives
+        assert alts is not None and alts.more is not None and bool(alts.point.all())
+        kk, s_ = alts.tokens.shape[1:]
+        toks = torch.cat([prop.tokens, alts.tokens.flatten(1), alts.more[0]], 1)
+        vals = torch.cat([alts.values.flatten(1), alts.more[1]], 1)
+        run_par = (torch.arange(kk) - 1).repeat_interleave(s_)
+        pars = torch.cat([torch.arange(-1, kk - 1).expand(len(slots), -1),
+                          run_par.expand(len(slots), -1), alts.more[2]], 1)  # fmt: skip
+        for b, (slot, real) in enumerate(zip(slots, reals)):
+            if prop.probs is not None:  # deterministic drafts: q one-hot
+                hot = prop.probs[b, : prop.num[b]]
+                assert torch.equal(hot.argmax(-1), prop.tokens[b, : prop.num[b]])
+                assert bool((hot.max(-1).values == 1).all())
+            for m in (vals[b] > float("-inf")).nonzero()[:, 0].tolist():
+                path, node = [], kk + m
+                while node >= 0:
+                    path.append(int(toks[b, node]))
+                    node = int(pars[b, node])
+                path.reverse()
+                out, logits, q_path = out_root[b : b + 1], logits_root[b : b + 1], 1.0
+                for depth, tok in enumerate(path):
+                    q = torch.softmax(logits.float(), -1)[0]
+                    q_path *= float(q[(d.draft_ids == tok).nonzero()[0, 0]])
+                    if depth + 1 < len(path):
+                        tok_t = torch.tensor([tok])
+                        out, logits = d.chain_step(tok_t, out, [slot], [real + depth])
+                d.cache.rollback(slot, real)
+                assert abs(float(vals[b, m]) - q_path) <= 1e-4 + 1e-3 * q_path, (path, b, m)
+                checked += 1
+    assert checked >= 40
+    assert eng.drafter_failures == 0
