@@ -38,11 +38,12 @@ from loadtest.server_proc import HOST, spawn, specd_server
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "controller": "adaptive", "k_max": 7}
 
 
-def configs(path: Path, fallback: int = 3, trees: int = 0) -> dict[str, dict]:
+def configs(path: Path, fallback: int = 3, trees: int = 0, topk: int = 0) -> dict[str, dict]:
     """The config as given, and the same with the n-gram drafter; for an EAGLE-3 config, the
     head with and without the per-row n-gram fallback (``ngram_fallback``: drafters/hybrid.py),
     and with ``trees``, each of those with draft trees of up to that many leaves (the adaptive
-    controller verifies them where they pay: engine/round/draft_tree.py)."""
+    controller verifies them where they pay: engine/round/draft_tree.py), from EAGLE-2's
+    expansion with top ``topk`` (drafter.tree_topk) where it is given."""
     data = yaml.safe_load(path.read_text())
 
     def variant(drafter: dict) -> dict:
@@ -57,8 +58,9 @@ def configs(path: Path, fallback: int = 3, trees: int = 0) -> dict[str, dict]:
     hybrid = head | {"ngram_fallback": d.get("ngram_fallback") or fallback}
     out = {"eagle3": variant(head), "eagle3+ngram": variant(hybrid)}
     if trees:
-        out["eagle3+tree"] = variant(head | {"tree_leaves": trees})
-        out["eagle3+ngram+tree"] = variant(hybrid | {"tree_leaves": trees})
+        tree = {"tree_leaves": trees, "tree_topk": topk}
+        out["eagle3+tree"] = variant(head | tree)
+        out["eagle3+ngram+tree"] = variant(hybrid | tree)
     return out | {"ngram": variant(NGRAM)}
 
 
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tree-leaves", type=int, default=0, help="also the EAGLE-3 servers with trees"
     )
+    ap.add_argument(
+        "--tree-topk", type=int, default=0, help="their trees from EAGLE-2's expansion, top K"
+    )
     ap.add_argument("--only", help="the servers to run, by name (default: all)")
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
@@ -127,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = mix_file(out / "mix.jsonl")
     rows = []
-    for name, cfg in configs(Path(args.config), trees=args.tree_leaves).items():
+    for name, cfg in configs(
+        Path(args.config), trees=args.tree_leaves, topk=args.tree_topk
+    ).items():
         if only is not None and name not in only:
             continue
         with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --llama-server {args.llama_server}" if args.llama_server else "")
         + (f" --llama-eagle3 {args.llama_eagle3}" if llama_servers and args.llama_eagle3 else "")
         + (f" --tree-leaves {args.tree_leaves}" if args.tree_leaves else "")
+        + (f" --tree-topk {args.tree_topk}" if args.tree_topk else "")
         + (f" --only {args.only}" if args.only else ""),
         (
             f"# {args.requests or 24} requests a level from the mix of 16 MT-Bench chats + "

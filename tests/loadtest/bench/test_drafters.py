@@ -40,3 +40,14 @@ def test_llama_server_runs_plain_its_ngram_and_with_a_head_the_head():
     runs = llama_runs("/x/head.gguf")
     flags = ["-md", "/x/head.gguf", "--spec-type", "draft-eagle3"]
     assert runs["llama-eagle3"] == (flags, "eagle3")
+
+
+def test_trees_add_the_head_servers_with_trees():
+    """--tree-leaves L (--tree-topk B) adds each EAGLE-3 server with draft trees of up to L
+    nodes past its chains (from EAGLE-2's expansion with top B), all else the same."""
+    runs = configs(ROOT / "configs" / "default.yaml", trees=4, topk=4)
+    assert list(runs) == ["eagle3", "eagle3+ngram", "eagle3+tree", "eagle3+ngram+tree", "ngram"]
+    tree = EngineConfig.from_dict(runs["eagle3+ngram+tree"]["engine"]).drafter
+    chain = EngineConfig.from_dict(runs["eagle3+ngram"]["engine"]).drafter
+    assert (tree.tree_leaves, tree.tree_topk, tree.ngram_fallback) == (4, 4, 3)
+    assert (chain.tree_leaves, chain.tree_topk) == (0, 0)
