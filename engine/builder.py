@@ -46,6 +46,12 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def tree_topk(d) -> int:
+    """The top-k the EAGLE-3 head's trees expand with: ``drafter.tree_topk`` where trees are on
+    (``tree_leaves``), else 0."""
+    return d.tree_topk if d.tree_leaves else 0
+
+
 def make_controller(d, drafter) -> KController:
     if drafter is None:
         return FixedK(0)
@@ -60,7 +66,7 @@ def make_controller(d, drafter) -> KController:
             always_drafts=drafter.samples,  # a model (head, draft model) proposes whenever asked
             max_leaves=d.tree_leaves if drafter.trees else 0,
             # an expanding head's extras: drafters/eagle/expand.py
-            expand_rows=d.tree_topk - 1 if drafter.trees and d.tree_leaves and d.tree_topk else 0,
+            expand_rows=max(tree_topk(d) - 1, 0) if drafter.trees else 0,
         )
     if d.controller == "heuristic":
         return HeuristicK(min(d.k, d.k_max), d.k_max)
@@ -200,8 +206,7 @@ def make_drafter(
         )
         return ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     if d.method == "eagle3":
-        topk = d.tree_topk if d.tree_leaves else 0
-        drafter = eagle = eagle_drafter(d.source, model, runner, head, topk, d.k_max)
+        drafter = eagle = eagle_drafter(d.source, model, runner, head, tree_topk(d), d.k_max)
         if d.head_q4:
             eagle.use_q4()
         # the head's step compiled too: on CPU inductor's guardless graphs (eagle_step.py),

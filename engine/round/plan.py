@@ -36,10 +36,15 @@ class RoundPlan:
     uniforms: torch.Tensor  # [batch, K] acceptance draws
     # [batch, vocab] Exp(1), for the recovered / bonus sample; None when every row is greedy
     noise: torch.Tensor | None
-    # runners-up the drafter adds to each drafted token (Proposal.alternatives), for the rows
-    # the round verifies as trees (engine/round/draft_tree.py); 0: chains only
-    alternatives: int = 0
-    leaves: list[int] | None = None  # the nodes past its chain each row's tree may keep (host)
+    # the nodes past its chain each row's draft tree may keep (engine/round/draft_tree.py;
+    # host); None: chains only
+    leaves: list[int] | None = None
+
+    @property
+    def alternatives(self) -> int:
+        """Runners-up the drafter adds to each drafted token (Proposal.alternatives): the most
+        any row's tree keeps; 0: chains only."""
+        return max(self.leaves or [0])
 
     @property
     def num_zero(self) -> torch.Tensor:

@@ -77,7 +77,7 @@ class Speculator:
         asked = [0 if f else self.controller.k_for(s, cap) for s, cap, f in zip(seqs, caps, forced)]
         plan = self._plan(seqs, [len(f) or k for f, k in zip(forced, asked)])
         leaves = self._leaves(seqs, asked, plan.ks, invariant)  # a tree's leaves per row
-        plan.alternatives, plan.leaves = max(leaves), leaves
+        plan.leaves = leaves
         # 2. propose
         clock = PhaseClock(self.device)  # the draft and verify phases' device time
         clock.mark()

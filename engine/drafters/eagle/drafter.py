@@ -288,7 +288,7 @@ class EagleDrafter(DrafterBase):
             grown = Expansion(
                 len(seqs), max(plan.ks), width, self.branch, hidden, self.dtype, self.device
             )
-        point = to_device(expand, torch.bool, self.device)  # [batch]
+        point = to_device(expand, torch.bool, self.device) if grown is not None else None
 
         def step(at: Position, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             rows = [seqs[b] for b in at.rows]
@@ -309,21 +309,18 @@ class EagleDrafter(DrafterBase):
             return logits, out
 
         def choose(logits, rows, row_t, j, p: RowParams, guide: DraftGrammar):
-            if any(expand):  # a tree row drafts its top q
+            if point is not None:  # a tree row drafts its top q
                 p = p._replace(greedy=p.greedy | point[row_t])
             return self._choose(logits, rows, row_t, j, p, plan, guide, sampled, runners)
 
         prop = draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
         if runners is not None:
-            more = None
-            if grown is not None:
-                more = (grown.tokens, grown.values, grown.parents)
-            prop.alternatives = Alternatives(
-                runners.tokens, runners.values, more, self.branch, point if any(expand) else None
-            )
+            more = (grown.tokens, grown.values, grown.parents) if grown is not None else None
+            alts = Alternatives(runners.tokens, runners.values, more, self.branch, point)
+            prop.alternatives = alts
         if grown is not None:  # the extras fed at every step but a row's first
             prop.extra_rows = grown.e * sum(k - 1 for k, x in zip(plan.ks, expand) if x)
-        if prop.probs is not None and any(expand):  # a deterministic draft's q is one-hot
+        if prop.probs is not None and point is not None:  # a deterministic draft's q is one-hot
             rows_t = point.nonzero()[:, 0]
             hot = torch.nn.functional.one_hot(prop.tokens[rows_t], self.vocab_size)
             prop.probs[rows_t] = hot.to(prop.probs.dtype)

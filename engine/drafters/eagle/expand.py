@@ -52,11 +52,11 @@ class Expansion:
         self.ext_id = torch.zeros(batch, e, dtype=torch.long, device=device)
         self.ext_out = torch.zeros(batch, e, hidden, dtype=dtype, device=device)
         self.ext_bits = torch.zeros(batch, e, self.w, dtype=torch.bool, device=device)
-        # their children, candidates of the next depth: [batch, E B]
-        self.kid_tok = torch.zeros(batch, e * branch, dtype=torch.long, device=device)
-        self.kid_val = torch.full((batch, e * branch), NEG, device=device)
-        self.kid_id = torch.zeros(batch, e * branch, dtype=torch.long, device=device)
         self.cols = torch.arange(self.w, device=device)  # [W]
+        self.kid = torch.arange(e * branch, device=device)  # [E B] a depth's children, in order
+        # whose output a depth's candidate is fed with: 0 the chain's (a runner-up), 1 + e
+        # extra e's (its child)
+        self.src = torch.cat([self.kid.new_zeros(width), 1 + self.kid // branch])
 
     def chain_bits(self, j: int, rows: int) -> torch.Tensor:
         """``[rows, W]``: what d_j (fed at step j) sees of the tree: d_1..d_j."""
@@ -74,13 +74,14 @@ class Expansion:
         extras of depth j - 1. Returns their tokens ``[R E]``, inputs ``[R E, hidden]`` (their
         parent's output) and visible tree columns ``[R E, W]``."""
         r, s, e = rows_t.shape[0], self.s, self.e
-        run_id = self.k + (j - 1) * s + torch.arange(s, device=rows_t.device)
-        tok = torch.cat([run_tok, self.kid_tok[rows_t]], dim=1)  # [R, S + E B]
-        val = torch.cat([run_val, self.kid_val[rows_t]], dim=1)
-        ids = torch.cat([run_id[None].expand(r, -1), self.kid_id[rows_t]], dim=1)
-        # whose output a candidate is fed with: 0 the chain's, 1 + e extra e's
-        kid_src = 1 + torch.arange(e * self.b, device=rows_t.device) // self.b  # [E B]
-        src = torch.cat([rows_t.new_zeros(r, s), kid_src[None].expand(r, -1)], dim=1)
+        tok, val = run_tok, run_val  # [R, S], then the children of depth j - 1's extras
+        ids = (self.k + (j - 1) * s + torch.arange(s, device=rows_t.device))[None].expand(r, -1)
+        if j > 1:
+            at = self.made(j - 1)
+            tok = torch.cat([tok, self.tokens[rows_t, at]], dim=1)  # [R, S + E B]
+            val = torch.cat([val, self.values[rows_t, at]], dim=1)
+            ids = torch.cat([ids, self.more_ids(j - 1)[None].expand(r, -1)], dim=1)
+        src = self.src[: tok.shape[1]][None].expand(r, -1)
         best = torch.sort(val, dim=1, descending=True, stable=True).indices[:, :e]  # [R, E]
         outs = torch.cat([chain_out[:, None], self.ext_out[rows_t]], dim=1)  # [R, 1 + E, hidden]
         bits = torch.cat([self.chain_bits(j - 1, r)[:, None], self.ext_bits[rows_t]], dim=1)
@@ -95,7 +96,16 @@ class Expansion:
 
     def columns(self, j: int) -> torch.Tensor:
         """``[E]``: the tree columns of the extras of depth j."""
-        return self.k + (j - 1) * self.e + torch.arange(self.e, device=self.cols.device)
+        return self.k + (j - 1) * self.e + self.kid[: self.e]
+
+    def made(self, j: int) -> slice:
+        """Where the children of the extras of depth j are recorded (``tokens``, ...)."""
+        n = self.e * self.b
+        return slice((j - 1) * n, j * n)
+
+    def more_ids(self, j: int) -> torch.Tensor:
+        """``[E B]``: the ids of the children of the extras of depth j (module docstring)."""
+        return self.k + self.k * self.s + (j - 1) * self.e * self.b + self.kid
 
     def children(
         self,
@@ -110,12 +120,8 @@ class Expansion:
         top = q.topk(b, dim=-1)  # [R E, B]
         parent = self.ext_val[rows_t].reshape(r * e, 1)
         val = torch.where((parent > NEG) & (top.values > 0), parent * top.values, NEG)
-        ids = (self.k + self.k * self.s + (j - 1) * e * b) + torch.arange(e * b, device=q.device)
         self.ext_out[rows_t] = out.reshape(r, e, -1).to(self.ext_out.dtype)
-        self.kid_tok[rows_t] = draft_ids[top.indices].reshape(r, e * b)
-        self.kid_val[rows_t] = val.reshape(r, e * b)
-        self.kid_id[rows_t] = ids[None].expand(r, -1)
-        at = slice((j - 1) * e * b, j * e * b)
-        self.tokens[rows_t, at] = self.kid_tok[rows_t]
-        self.values[rows_t, at] = self.kid_val[rows_t]
+        at = self.made(j)
+        self.tokens[rows_t, at] = draft_ids[top.indices].reshape(r, e * b)
+        self.values[rows_t, at] = val.reshape(r, e * b)
         self.parents[rows_t, at] = self.ext_id[rows_t].repeat_interleave(b, dim=1)
