@@ -107,6 +107,8 @@ class EngineConfig:
         if isinstance(self.deterministic, bool):  # YAML reads a bare off / on as a boolean
             self.deterministic = "always" if self.deterministic else "off"
         check_kv_budget(self.kv_cache_tokens, self.max_model_len)  # refused here, not at load
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads is at least 1 (unset: torch's default), got {self.threads}")
         if self.drafter.tree_topk == 1 or self.drafter.tree_topk < 0:
             raise ValueError(f"drafter.tree_topk is 0 or at least 2, got {self.drafter.tree_topk}")
         if self.deterministic not in DETERMINISTIC_MODES:

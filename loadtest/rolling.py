@@ -117,18 +117,21 @@ def run(
     warm_s: float = 4.0,
     settle_s: float = 3.0,
     shutdown_timeout_s: float = 60.0,
+    threads: int | None = None,
     extra_args: tuple[str, ...] = (),
     workdir: Path | None = None,
     timeout: float = 900.0,
 ) -> Outcome:
     """Start the replicas and the gateway, compute the references, send ``rate`` requests a
     second through the gateway while each replica in turn is restarted (``warm_s`` of load
-    before the first, ``settle_s`` after each is ready again), then wait for every request."""
+    before the first, ``settle_s`` after each is ready again), then wait for every request.
+    ``threads``: torch's threads per replica (two replicas share the machine; default torch's)."""
     if (haproxy := haproxy_bin()) is None:
         raise RuntimeError("haproxy is not installed (scripts/setup.sh installs it with apt)")
     work = Path(workdir or tempfile.mkdtemp(prefix="specd-rolling-"))
     work.mkdir(parents=True, exist_ok=True)
     args = ["--dtype", "float32", "--shutdown-timeout", str(shutdown_timeout_s), *extra_args]
+    args += ["--threads", str(threads)] if threads else []
     replicas = [Replica(free_port(), args, work / f"replica{i}.log") for i in range(2)]
     gateway_port, out = free_port(), Outcome()
     cfg = work / "haproxy.cfg"
@@ -214,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=float, default=4.0, help="seconds of load before the restarts")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds after each restart")
     ap.add_argument("--shutdown-timeout", type=float, default=60.0)
+    ap.add_argument("--threads", type=int, help="torch's threads per replica")
     ap.add_argument("--timeout", type=float, default=900.0, help="the whole run at most")
     ap.add_argument("--workdir", type=Path, help="logs and the gateway's config (default: temp)")
     a = ap.parse_args(argv)
     out = run(rate=a.rate, max_tokens=a.max_tokens, warm_s=a.warm, settle_s=a.settle,
-              shutdown_timeout_s=a.shutdown_timeout, workdir=a.workdir,
+              shutdown_timeout_s=a.shutdown_timeout, threads=a.threads, workdir=a.workdir,
               timeout=a.timeout)  # fmt: skip
     print(out.summary())
     return 0 if out.passed else 1

@@ -6,7 +6,7 @@ SYNOPSIS
                 [--max-model-len N] [--max-running N] [--dtype D] [--device D]
                 [--speculative-config JSON] [--chat-template FILE|TEMPLATE]
                 [--host H] [--port P] [--api-key K] [--served-model-name NAME...]
-                [--shutdown-timeout SECONDS] [--enforce-eager] [--config FILE]
+                [--shutdown-timeout SECONDS] [--enforce-eager] [--threads N] [--config FILE]
     specd prepare [MODEL] [--config FILE]
     specd generate [--model MODEL] [--config FILE] [--k K] [--max-tokens N] PROMPT...
     specd train-drafter [--config FILE] [--only distill|original|fit]
@@ -146,6 +146,7 @@ def _config(args):
         ("deterministic", "deterministic", str),
         ("prefix_cache_tokens", "prefix_cache_tokens", int),
         ("kv_cache_tokens", "kv_cache_tokens", int),
+        ("threads", "threads", int),
     ):
         value = _env_or(args, name)
         if value is not None:
@@ -361,6 +362,11 @@ def main(argv: list[str] | None = None) -> int:
                 const=True,
                 help="run every forward eagerly, never compiled: ready in seconds, slower per "
                 "token (env SPECD_ENFORCE_EAGER=1)",
+            )
+            p.add_argument(
+                "--threads",
+                type=int,
+                help="torch's threads on CPU (env SPECD_THREADS; default: torch's, one a core)",
             )
         if name == "serve":
             p.add_argument("--host", help="listen address (env SPECD_HOST; default 127.0.0.1)")

@@ -166,3 +166,15 @@ def test_tree_flags_and_their_environment(monkeypatch):
     assert (cfg.drafter.tree_leaves, cfg.drafter.tree_topk) == (3, 2)
     with pytest.raises(SystemExit):
         cli._config(parse(["--tree-topk", "1"]))
+
+
+def test_threads_flag_and_its_environment(monkeypatch):
+    """--threads (and SPECD_THREADS) set torch's CPU threads; unset keeps torch's default, and
+    fewer than one is refused at start-up."""
+    monkeypatch.delenv("SPECD_THREADS", raising=False)
+    assert cli._config(parse([])).threads is None
+    assert cli._config(parse(["--threads", "1"])).threads == 1
+    monkeypatch.setenv("SPECD_THREADS", "3")
+    assert cli._config(parse([])).threads == 3
+    with pytest.raises(SystemExit, match="threads"):
+        cli._config(parse(["--threads", "0"]))
