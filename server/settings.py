@@ -90,6 +90,7 @@ OTHER_ENV = {
     "K_MAX",
     "TREE_LEAVES",
     "TREE_TOPK",
+    "THREADS",
     "MAX_MODEL_LEN",
     "MAX_RUNNING",
     "DETERMINISTIC",
