@@ -39,6 +39,7 @@ class Alternatives:
     # [batch] bool: rows whose candidates were chosen, not drawn (tried as point masses:
     # engine/round/tree.py); None: none
     point: torch.Tensor | None = None
+    point_rows: list[bool] | None = None  # ``point`` on the host
 
 
 @dataclass

@@ -135,11 +135,13 @@ class KController:
         draft_s: float,
         catch_up: int = 0,
         extra_rows: int = 0,
+        tree: bool = False,
     ) -> None:
         """The round's rows, padded draft width and drafter's sequential steps, its measured
         times (the round without its draft phase, the draft phase), the positions beyond one
-        a row its drafter took in first (Σ backlog_i of the drafting rows) and the row-steps
-        its draft steps ran beyond steps x rows (a draft tree's expansion)."""
+        a row its drafter took in first (Σ backlog_i of the drafting rows), the row-steps
+        its draft steps ran beyond steps x rows (a draft tree's expansion) and whether some
+        row was verified as a tree."""
 
 
 def pinned_k(seq: Sequence, cap: int) -> int | None:
@@ -292,8 +294,8 @@ class AdaptiveK(KController):
         p = self.prober
         self.prober = Prober(p.interval, p.k, p.budget)
 
-    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
-        self.cost.observe(batch, width, steps, rest_s, draft_s, catch_up, extra_rows)
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0, tree=False):
+        self.cost.observe(batch, width, steps, rest_s, draft_s, catch_up, extra_rows, tree)
         if self._rows:
             self._k_next = self._decide()
         self._reset_sums()
@@ -345,29 +347,36 @@ class AdaptiveK(KController):
 
     def _grow(self, batch, widths, seconds, tokens, best: int) -> int:
         """Trees beside the chains (round/draft_tree.py): L leaves cost the verify L more
-        queries, T(B, K + L) - T(B, K), and with an expansion its extra head rows in K - 1 draft
-        steps, and add to a row that may grow one the chance that a round whose chain was cut
-        short ends at a leaf, m·(1 - α^K)·β·leaf_reach(L) (state.py):
+        queries, T(B, K + L) - T(B, K), a tree round's own work (cost.py: t and K·h), and with
+        an expansion its extra head rows in K - 1 draft steps, and add to a row that may grow
+        one the chance that a round whose chain was cut short ends at a leaf,
+        m·(1 - α^K)·β·leaf_reach(L) (state.py):
         the (K, L) of best goodput with K + L <= K_max, where it beats the chains' ``best`` by
         the factor 1 + ``min_gain``. Sets ``_leaves_next``; returns K*."""
         a, m, cap, beta = (np.array(c) for c in zip(*self._adaptive))
         if not beta.any():
             return best
-        rest = [self.cost.predict(batch, int(w), 0) for w in widths]  # the verify's part
+        predict = self.cost.predict
+        rest = np.array([predict(batch, int(w), 0) for w in widths])  # the verify's part
         top, best_gp = best, tokens[best] / seconds[best] * (1.0 + self.min_gain)
+        # per draft step (the cost model is linear in steps): what an expanding step's extra
+        # head rows add, and the tree's own work, once a round and a step
         more = self.expand_rows * self._growable  # head rows an expanding step adds
-
-        def draft(rows: int, steps: int) -> float:  # the draft phase's part of a round
-            return self.cost.predict(rows, 0, steps) - self.cost.predict(rows, 0, 0)
-
+        step = predict(batch, 0, 1) - predict(batch, 0, 0)
+        more_step = predict(batch + more, 0, 1) - predict(batch + more, 0, 0) - step
+        own = predict(batch, 0, 0, tree=True) - predict(batch, 0, 0)
+        own_step = predict(batch, 0, 1, tree=True) - predict(batch, 0, 1) - own
+        n = np.arange(1, self.max_leaves + 1)  # [L] leaves
+        reach = np.array([leaf_reach(int(x)) for x in n])  # [L]
         for k in range(1, self.k_max):
-            grow_s = draft(batch + more, k - 1) - draft(batch, k - 1) if more and k > 1 else 0.0
+            n_k = n[n <= self.k_max - k]  # the leaves a K of k leaves room for
             ks = np.minimum(k, cap)
             cut = m * (1.0 - np.minimum(a, 1.0) ** ks) * (ks > 0)  # [rows]
-            for leaves in range(1, min(self.max_leaves, self.k_max - k) + 1):
-                gain = float(np.minimum(cut * beta * leaf_reach(leaves), 1.0).sum())
-                extra = (1.0 - self._p_none) * (rest[k + leaves] - rest[k] + grow_s)
-                gp = (tokens[k] + gain) / (seconds[k] + extra)
-                if gp > best_gp:
-                    top, best_gp, self._leaves_next = k, gp, leaves
+            gain = np.minimum((cut * beta)[:, None] * reach[None, : len(n_k)], 1.0).sum(0)
+            tree_s = own + k * own_step + (k - 1) * more_step
+            extra = (1.0 - self._p_none) * (rest[k + n_k] - rest[k] + tree_s)  # [L]
+            gp = (tokens[k] + gain) / (seconds[k] + extra)
+            i = int(np.argmax(gp))
+            if gp[i] > best_gp:
+                top, best_gp, self._leaves_next = k, float(gp[i]), int(n_k[i])
         return top

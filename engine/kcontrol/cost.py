@@ -1,7 +1,7 @@
 """The measured cost of one speculative round, T(B, w), and the fit behind it.
 
 One round of a batch of B rows whose widest draft is w tokens costs
-    T(B, w) = a + b·B + c·B·w + f·B·[w > 0]  +  s(w)·(d + e·B)
+    T(B, w) = a + b·B + c·B·w + f·B·[w > 0] + t·[tree]  +  s(w)·(d + e·B + h·[tree])
 - the verify forward pads every row to w + 1 query tokens, so the target's cost (with the round's
   sampling and bookkeeping, a + b·B + c·B·w + f·B·[w > 0]) is set by the batch's widest draft,
   not by each row's own K. The term f·B·[w > 0] lets the first verified token cost other
@@ -11,6 +11,13 @@ One round of a batch of B rows whose widest draft is w tokens costs
   forward pads B and w + 1 further (the fast path's buckets,
   ``ModelRunner.padded_shape``), ``shape`` maps them to the padded values first: widths that pad
   to one verify shape are priced alike;
+- a round with draft trees (engine/round/draft_tree.py) pays its own host work beside the
+  verify's extra queries (priced as the width they pad to): t, once a round, for growing the
+  trees, the tree rule and laying the paths out as chains (the round's part after its draft
+  phase), and h a draft step for the head's runners-up. On a CPU they are tens of small ops,
+  as dear as a verified token or more, and a tree that does not cover them loses; they are
+  learned from the tree rounds themselves (t and h stay 0, the ridge's, until a round with
+  trees was seen);
 - the drafter runs s(w) sequential steps (the caller says how many) of d + e·B each, plus
   g·C for its catch-up: C positions beyond one a row, summed over the drafting rows, that a
   stateful drafter (a draft model, an EAGLE head) takes in first (drafters/base.py ``backlogs``):
@@ -19,7 +26,8 @@ One round of a batch of B rows whose widest draft is w tokens costs
   a probe may cost more than the rounds it could save.
 
 Fit: exponentially weighted least squares over every round's measured times: the round without its
-draft phase on features [1, B, B·w, B·[w > 0]], the draft phase on [s, s·B, C]. Start-up
+draft phase on features [1, B, B·w, B·[w > 0], [tree]], the draft phase on [s, s·B, C, s·[tree]]
+(s·B counting an expansion's extra head rows: drafters/eagle/expand.py). Start-up
 calibration points (engine/kcontrol/calibration.py) stay in the fit as fixed pseudo-observations
 that never decay, so the slope c is known before traffic has ever varied w; a tiny ridge keeps the
 fit solvable before any data.
@@ -51,14 +59,17 @@ class CostModel(Protocol):
         draft_s: float,
         catch_up: int = 0,
         extra_rows: int = 0,
+        tree: bool = False,
     ) -> None:
         """One measured round: B rows, padded width w, ``steps`` draft steps, ``catch_up``
         positions the drafter took in for rounds it missed, ``extra_rows`` row-steps its draft
-        steps ran beyond steps x B (a draft tree's expansion); the round's time without its
-        draft phase, and the draft phase's time."""
+        steps ran beyond steps x B (a draft tree's expansion), ``tree``: some row was verified
+        as a tree; the round's time without its draft phase, and the draft phase's time."""
 
-    def predict(self, batch: int, width: int, steps: int, catch_up: int = 0) -> float:
-        """Predicted seconds of a round (> 0)."""
+    def predict(
+        self, batch: int, width: int, steps: int, catch_up: int = 0, tree: bool = False
+    ) -> float:
+        """Predicted seconds of a round (> 0); ``tree``: with draft trees' own work."""
         ...
 
     def add_calibration(self, batch: int, width: int, seconds: float) -> None:
@@ -117,30 +128,35 @@ class RoundCost:
     features padded, so every draft width that pads to the same verify shape is priced alike."""
 
     def __init__(self, decay: float = 0.98, shape: Shape = _unpadded):
-        self.rest = EWLeastSquares(4, decay)  # round minus draft phase ~ [1, B, B·w, B·[w>0]]
-        self.draft = EWLeastSquares(3, decay)  # the draft phase ~ [s, s·B, C]
+        # round minus draft phase ~ [1, B, B·w, B·[w>0], [tree]]
+        self.rest = EWLeastSquares(5, decay)
+        self.draft = EWLeastSquares(4, decay)  # the draft phase ~ [s, s·B, C, s·[tree]]
         self.shape = shape
         self.observed = 0  # rounds observed (calibration points not counted)
 
-    def _rest_x(self, batch: int, width: int) -> tuple[float, int, int, int]:
+    def _rest_x(self, batch: int, width: int, tree: bool = False) -> tuple[float, ...]:
         rows, q = self.shape(batch, width + 1)
-        return (1.0, rows, rows * (q - 1), rows * (q > 1))
+        return (1.0, rows, rows * (q - 1), rows * (q > 1), float(tree))
 
     def add_calibration(self, batch: int, width: int, seconds: float) -> None:
         self.rest.add_fixed(self._rest_x(batch, width), seconds, CALIBRATION_WEIGHT)
 
     def add_step_calibration(self, batch: int, seconds: float, catch_up: int = 0) -> None:
-        self.draft.add_fixed((1.0, batch, catch_up), seconds, CALIBRATION_WEIGHT)
+        self.draft.add_fixed((1.0, batch, catch_up, 0.0), seconds, CALIBRATION_WEIGHT)
 
-    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
+    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0, tree=False):
         self.observed += 1
-        self.rest.update(self._rest_x(batch, width), rest_s)
+        self.rest.update(self._rest_x(batch, width, tree), rest_s)
         if steps > 0:
-            self.draft.update((steps, steps * batch + extra_rows, catch_up), draft_s)
+            x = (steps, steps * batch + extra_rows, catch_up, steps * float(tree))
+            self.draft.update(x, draft_s)
 
-    def predict(self, batch, width, steps, catch_up=0):
+    def predict(self, batch, width, steps, catch_up=0, tree=False):
         t = self.rest.predict(self._rest_x(batch, width))
+        if tree:  # a tree's own work, never priced below nothing (the fit may dip under 0)
+            t += max(float(self.rest.theta[4]), 0.0)
         if steps > 0:
-            d, e, g = self.draft.theta
+            d, e, g, h = self.draft.theta
             t += steps * max(d + e * batch, 0.0) + max(g, 0.0) * catch_up
+            t += steps * max(h, 0.0) * tree
         return max(t, 1e-6)

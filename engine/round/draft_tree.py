@@ -36,7 +36,7 @@ from engine.drafters.base import Alternatives
 from engine.model.kv_cache import SlotKVCache
 from engine.model.tree_attention import Tree
 from engine.requests.sequence import Sequence
-from engine.round.tree import ancestors, depths
+from engine.round.tree import ancestors
 from engine.transfer import to_device
 
 
@@ -50,6 +50,7 @@ class DraftTree(NamedTuple):
     width: int  # the most children a node has
     chain: int  # K: nodes [0, K) are the chains, the rest leaves
     point: torch.Tensor | None  # [batch] bool: candidates tried as point masses (tree.py)
+    point_rows: list[bool] | None  # ``point`` on the host
 
 
 def grow(
@@ -99,19 +100,21 @@ def grow(
     if draft_probs is not None:  # node i < K - 1 of the chain: q of d_{i+2}; leaves: none
         q = draft_probs.new_zeros(batch, n + 1, draft_probs.shape[-1])
         q[:, :k] = draft_probs
-    d = depths(parents)  # [batch, n]
+    anc = ancestors(parents)  # [batch, n, n]
+    d = anc.sum(-1)  # [batch, n]: each node's depth
     visible = torch.eye(n + 1, dtype=torch.bool, device=dev)[None].repeat(batch, 1, 1)
     visible[:, 1:, 0] = True  # every node sees the root
-    visible[:, 1:, 1:] = ancestors(parents)
+    visible[:, 1:, 1:] = anc
     tree = Tree(torch.cat([d.new_zeros(batch, 1), d], dim=1), visible)
     # a chain node has its chain child and S runners-up; a deeper node its branch
     width = 1 + min(max(s, alts.branch - 1), n_leaf)
-    return DraftTree(tokens, parents, valid, q, tree, width, k, alts.point)
+    return DraftTree(tokens, parents, valid, q, tree, width, k, alts.point, alts.point_rows)
 
 
 class Settled(NamedTuple):
     drafts: torch.Tensor  # [batch, K] long: the accepted path's tokens (padded past accepted)
-    probs: torch.Tensor  # [batch, K + 1, vocab]: the target's at each emitted position
+    # [batch, K + 1, vocab]: the target's at each emitted position; None unless asked for
+    probs: torch.Tensor | None
     tapped: torch.Tensor | None  # [batch, K + 1, features] at the same positions
     # [batch, 2] long: the row's leaves verified, and 1 where its path ended at one
     tree_stats: torch.Tensor
@@ -126,15 +129,20 @@ def settle(
     cache: SlotKVCache,
     slots: list[int],
     starts: list[int],  # each row's root position (its verify's first)
+    want_probs: bool = True,  # False: nothing reads the emitted positions' probabilities
 ) -> Settled:
-    """The accepted paths as chains, the target's cache moved to match (module docstring)."""
+    """The accepted paths as chains, the target's cache moved to match (module docstring).
+    ``want_probs``: gather the target's probabilities along the paths (logprobs read them; a
+    copy of K + 1 vocabulary rows a row, skipped where no row asked)."""
     batch, k = path.shape
     dev = path.device
     i = torch.arange(k, device=dev)[None, :]
     node = torch.where(i < num_acc[:, None], path, i)  # [batch, K]: past the path, a chain's own
     idx = torch.cat([node.new_zeros(batch, 1), node + 1], dim=1)  # [batch, K + 1] query index
     drafts = t.tokens.gather(1, node)
-    probs = probs.gather(1, idx[..., None].expand(-1, -1, probs.shape[-1]))
+    path_probs = None
+    if want_probs:
+        path_probs = probs.gather(1, idx[..., None].expand(-1, -1, probs.shape[-1]))
     if tapped is not None:
         tapped = tapped.gather(1, idx[..., None].expand(-1, -1, tapped.shape[-1]))
     start = to_device(starts, torch.long, dev)[:, None]
@@ -142,7 +150,7 @@ def settle(
     last = path.gather(1, (num_acc - 1).clamp_min(0)[:, None])[:, 0]
     leaf_hit = ((num_acc > 0) & (last >= t.chain)).long()
     leaves = t.valid[:, t.chain :].sum(1)
-    return Settled(drafts, probs, tapped, torch.stack([leaves, leaf_hit], dim=1))
+    return Settled(drafts, path_probs, tapped, torch.stack([leaves, leaf_hit], dim=1))
 
 
 def may_grow(seq: Sequence) -> bool:

@@ -47,7 +47,8 @@ class HostRow:
 
 
 def to_host(
-    probs: torch.Tensor,  # [batch, K+1, vocab] processed target probabilities
+    probs: torch.Tensor | None,  # [batch, K+1, vocab] processed target probabilities (read
+    # for logprobs only: None with top_n None)
     drafts: torch.Tensor,  # [batch, K] long
     num_acc: torch.Tensor,  # [batch] long
     next_tok: torch.Tensor,  # [batch] long
@@ -55,14 +56,15 @@ def to_host(
     tree_stats: torch.Tensor | None = None,  # [batch, 2] long: a tree round's (draft_tree.settle)
 ) -> list[HostRow]:
     """The round's single device->host read (see the module docstring)."""
-    batch, k1, _ = probs.shape
-    k = k1 - 1
+    batch, k = drafts.shape
+    k1 = k + 1
     if tree_stats is None:
         tree_stats = num_acc.new_zeros(batch, 2)
     parts = [num_acc[:, None], next_tok[:, None], tree_stats, drafts]
     n = max(top_n or 0, 1)
     if top_n is not None:
-        rows = torch.arange(batch, device=probs.device)
+        assert probs is not None
+        rows = torch.arange(batch, device=drafts.device)
         pad = torch.zeros(batch, 1, dtype=drafts.dtype, device=drafts.device)
         ids = torch.cat([drafts, pad], 1)  # [batch, K+1]
         ids[rows, num_acc] = next_tok  # the emitted token at each verified position

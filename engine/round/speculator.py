@@ -93,6 +93,7 @@ class Speculator:
         if any(forced):
             drafts, num_draft, draft_probs = with_forced(drafts, num_draft, draft_probs, forced)
         kmax = drafts.shape[1]
+        clock.mark()  # (a tree's growing is its verify's work: the cost model prices it so)
         tree = None  # the round's draft trees (draft_tree.py), where some row grows one
         if prop is not None and prop.alternatives is not None and kmax:
             leaves = [n_l if n else 0 for n_l, n in zip(leaves, num_draft)]
@@ -100,7 +101,6 @@ class Speculator:
                 tree = grow(drafts, num_draft, draft_probs, prop.alternatives, leaves)
         if tree is None:  # chains only (no row drafted runners-up: a fault, n-gram, forced)
             leaves = [0] * len(seqs)
-        clock.mark()
         # 3. verify: one target pass over [last token, d_1..d_K] per row, or its tree's nodes
         nodes = tree.tokens if tree is not None else drafts  # [batch, n]
         verify_ids = torch.cat([plan.last, nodes], dim=1)  # [batch, n+1]
@@ -116,6 +116,7 @@ class Speculator:
         # 4. accept, and the round's one device->host sync
         starts = [s.num_tokens - 1 for s in seqs]  # each row's verify starts at its last token
         tree_stats = None  # a tree round's leaves and leaf hits per row (draft_tree.settle)
+        path_probs: torch.Tensor | None = probs  # [batch, K+1, vocab] at the emitted positions
         uniforms = plan.uniforms[:, :kmax]
         if tree is None:
             num_t = to_device(num_draft, torch.long, self.device)
@@ -127,15 +128,19 @@ class Speculator:
                 more = nodes.shape[1] - kmax
                 leaf_u = torch.rand(len(seqs), more, generator=self.rng, device=self.device)
                 uniforms = torch.cat([uniforms, leaf_u], dim=1)
+            # every row greedy or trying its candidates as point masses: the rule in closed form
+            rows_point = tree.point_rows or [False] * len(seqs)
+            every_point = all(p.greedy or x for p, x in zip(plan.params, rows_point))
             path, num_acc, next_tok = tree_accept(
                 probs, nodes, tree.parents, tree.valid, tree.q, plan.greedy, uniforms,
-                plan.noise, kmax, tree.width, tree.point,
+                plan.noise, kmax, tree.width, tree.point, every_point,
             )  # fmt: skip
-            st = settle(tree, path, num_acc, probs, tapped, self.target.cache, slots, starts)
-            drafts, probs, tapped, tree_stats = st
+            cache = self.target.cache
+            st = settle(tree, path, num_acc, probs, tapped, cache, slots, starts, top_n is not None)
+            drafts, path_probs, tapped, tree_stats = st
         if self.drafter is not None:  # the target's features of the kept layout (EAGLE-3)
             self.drafter.observe(seqs, tapped, starts, [n + 1 for n in num_draft])
-        rows = to_host(probs, drafts, num_acc, next_tok, top_n, tree_stats)
+        rows = to_host(path_probs, drafts, num_acc, next_tok, top_n, tree_stats)
         t2 = time.perf_counter()
         draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
         # 5. commit / rollback
@@ -170,7 +175,9 @@ class Speculator:
         steps = self.drafter.inner.steps(width) if self.drafter is not None and width else 0
         rest_s = (t3 - t_start) - draft_s
         extra = prop.extra_rows if prop is not None else 0  # a tree's expansion's head rows
-        self.controller.end_round(len(seqs), kmax, steps, rest_s, draft_s, catch_up, extra)
+        self.controller.end_round(
+            len(seqs), kmax, steps, rest_s, draft_s, catch_up, extra, tree is not None
+        )
         return outputs
 
     def _leaves(

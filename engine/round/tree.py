@@ -37,6 +37,10 @@ drafters/eagle/expand.py) are each tried as a point mass: q_i = the point mass a
 accepted with probability p_{i-1}(x_i) and p_i is p_{i-1} without x_i, renormalised. That is the
 same step with a proposal that put all its mass on x_i, exact whatever chose x_i, as long as
 nothing of the target's draws did; a rule that kept x_i in p_i would emit it too often.
+
+Where every row is greedy or tries its candidates as point masses, a node's test needs nothing
+of the outcomes before it (the earlier siblings' removal only renormalises), so the walk has a
+closed form (:func:`closed_walk`): a few batched ops, not a loop over depths and candidates.
 """
 
 from __future__ import annotations
@@ -48,26 +52,23 @@ from engine.round.sampling import race
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
     """``parents`` [batch, n] long (-1: the root's child) -> each node's depth [batch, n]
-    (the root's children 1). Padding nodes may name any earlier parent."""
-    batch, n = parents.shape
-    d = torch.zeros(batch, n + 1, dtype=torch.long, device=parents.device)  # column 0: the root
-    for i in range(n):  # parents come first
-        d[:, i + 1] = d.gather(1, (parents[:, i] + 1).clamp_min(0)[:, None])[:, 0] + 1
-    return d[:, 1:]
+    (the root's children 1): how many nodes its line holds, itself included."""
+    return ancestors(parents).sum(-1)
 
 
 def ancestors(parents: torch.Tensor) -> torch.Tensor:
-    """``[batch, n, n]`` bool: node j is node i or one of its ancestors (the root excluded)."""
-    batch, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
-    anc = eye[None].repeat(batch, 1, 1)
-    rows = torch.arange(batch, device=parents.device)
-    for i in range(n):
-        p = parents[:, i]
-        has = p >= 0
-        inherited = anc[rows, p.clamp_min(0)] & has[:, None]  # [batch, n]: the parent's line
-        anc[:, i] |= inherited
-    return anc
+    """``[batch, n, n]`` bool: node j is node i or one of its ancestors (the root excluded).
+    Padding nodes may name any parent. The parent relation's reflexive closure raised to its
+    2^m-th power reaches every line of up to 2^m edges: log2(n) batched products, not a step a
+    node (a tree round's host time on CPU is a few hundred small ops)."""
+    n = parents.shape[1]
+    ids = torch.arange(n, device=parents.device)
+    reach = ((parents[:, :, None] == ids) | (ids[:, None] == ids)).float()  # [batch, n, n]
+    span = 1  # the longest line reach covers, in edges
+    while span < n - 1:
+        reach = (torch.bmm(reach, reach) > 0).float()
+        span *= 2
+    return reach > 0
 
 
 def without(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -90,10 +91,15 @@ def tree_accept(
     width: int,  # the most children a node has
     point: torch.Tensor | None = None,  # [batch] bool: rows whose candidates were chosen, not
     # drawn: each tried as a point mass (module docstring)
+    every_point: bool = False,  # host: every row is greedy or a ``point`` row (closed form)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(path [batch, depth] long, num_accepted [batch], next_token [batch])``: row b
     emits ``tokens[b, path[b, :num_accepted[b]]]`` then ``next_token[b]`` (path padded with
     -1). No device -> host sync."""
+    if noise is None:  # every row greedy
+        return closed_walk(target_probs, tokens, parents, valid, depth)
+    if every_point:
+        return closed_walk(target_probs, tokens, parents, valid, depth, greedy, uniforms, noise)
     batch, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(batch, device=dev)
@@ -148,7 +154,69 @@ def tree_accept(
                 q = torch.where(ok[:, None], draft_probs[rows, cand + 1], q)
         walking = walking & accepted
     path = path[:, :depth]
-    if noise is None:
-        return path, num_accepted, target_probs[rows, cur + 1].argmax(-1)
     greedy_tok = target_probs[rows, cur + 1].argmax(-1)
     return path, num_accepted, torch.where(greedy, greedy_tok, race(p, noise))
+
+
+def closed_walk(
+    target_probs: torch.Tensor,  # [batch, n+1, vocab] (or logits if all greedy): root's, node i's
+    tokens: torch.Tensor,  # [batch, n] long
+    parents: torch.Tensor,  # [batch, n] long; parents[i] < i for the row's nodes
+    valid: torch.Tensor,  # [batch, n] bool
+    depth: int,  # the walk's most steps
+    greedy: torch.Tensor | None = None,  # [batch] bool; None: every row greedy
+    uniforms: torch.Tensor | None = None,  # [batch, n]: node i's test (sampled rows)
+    noise: torch.Tensor | None = None,  # [batch, vocab] Exp(1): the emitted sample
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule in closed form for rows that are greedy or try every candidate as a point mass
+    (module docstring), no loop over depths and candidates; returns as :func:`tree_accept`.
+
+    Node i *passes* its test: greedy, when its token is the target's argmax after its parent;
+    a point mass x_i, when u_i < p_{i-1}(x_i) = p(x_i) / (1 - the sum of p(x_j) over its
+    earlier siblings j), p its parent's distribution (the earlier siblings taken out and
+    renormalised, as the rule does once they are rejected; the test needs no outcome before
+    it). Node i is
+    *taken* when it passes and no earlier sibling does: the rule tries a node's children in id
+    order and moves to the first that passes. The path is the nodes whose whole line, down to
+    themselves, is taken: at most one a depth, in id order as parents come first. The row then
+    emits, at the path's last node (or the root), the argmax (greedy) or a sample of p with the
+    node's children (all tried, all rejected) taken out. A sibling repeating an earlier one's
+    token never passes (the rule took that token out of p when it rejected the first)."""
+    batch, n = tokens.shape
+    vocab = target_probs.shape[-1]
+    ids = torch.arange(n, device=tokens.device)
+    at = parents.clamp_min(-1) + 1  # [batch, n]: the query of each node's parent
+    top = target_probs.argmax(-1)  # [batch, n+1]
+    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & (ids < ids[:, None])
+    earlier_sibling &= valid[:, None, :]  # [batch, n, n]: j an earlier sibling of i
+    passes = tokens == top.gather(1, at)  # [batch, n]
+    if noise is not None:
+        assert greedy is not None and uniforms is not None
+        p_x = target_probs.flatten(1).gather(1, at * vocab + tokens)  # [batch, n]: p(x_i)
+        # a token an earlier sibling already tried is out of p (p_{i-1}(x_i) = 0), once
+        repeat = (earlier_sibling & (tokens[:, :, None] == tokens[:, None, :])).any(-1)
+        p_x = p_x.masked_fill(repeat, 0.0)
+        before = (earlier_sibling * p_x[:, None, :]).sum(-1)  # [batch, n]
+        mass = target_probs.sum(-1).gather(1, at) - before  # [batch, n]: p_{i-1}'s, unnormalised
+        sampled = uniforms * mass.clamp_min(0.0) < p_x
+        passes = torch.where(greedy[:, None], passes, sampled)
+    passes &= valid
+    taken = passes & ~(earlier_sibling & passes[:, None, :]).any(-1)  # [batch, n]
+    anc = ancestors(parents)  # [batch, n, n]
+    on = ~(anc & ~taken[:, None, :]).any(-1) & (anc.sum(-1) <= depth)  # [batch, n]
+    num_accepted = on.sum(1)
+    path = torch.sort(torch.where(on, ids, n + ids), dim=1).indices[:, :depth]
+    cols = torch.arange(path.shape[1], device=ids.device)
+    path = torch.where(cols < num_accepted[:, None], path, -1)
+    last = torch.where(on, ids, -1).max(1).values  # [batch]: -1, the root
+    next_tok = top.gather(1, (last + 1)[:, None])[:, 0]
+    if noise is None:
+        return path, num_accepted, next_tok
+    assert greedy is not None
+    rows = torch.arange(batch, device=tokens.device)
+    p = target_probs[rows, last + 1]  # [batch, vocab]
+    tried = (valid & (parents == last[:, None])).to(p.dtype)  # [batch, n]: the last's children
+    out = torch.zeros_like(p).scatter_add_(1, tokens, tried) > 0  # [batch, vocab]
+    rest = p.masked_fill(out, 0.0)
+    rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # (no mass left: p, as the rule)
+    return path, num_accepted, torch.where(greedy, next_tok, race(rest, noise))

@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tok_s": sum(len(o) for o in outs) / secs,
                     "tau": {n: t / max(p, 1) for n, (t, p) in by_set.items()},
                     "leaf_yield": sum(s.leaf_hits for s in seqs) / trees if trees else None,
+                    "tree_rounds": trees / max(sum(s.target_passes for s in seqs), 1),
                     "same_output": outs == reference,
                 }
                 result["runs"].append(row)

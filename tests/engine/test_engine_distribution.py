@@ -194,7 +194,7 @@ class SyntheticCost:
     def observe(self, *args):
         pass
 
-    def predict(self, batch, width, steps, catch_up=0):
+    def predict(self, batch, width, steps, catch_up=0, tree=False):
         return 1.0 + 0.1 * width
 
     def add_calibration(self, *args):
@@ -422,6 +422,14 @@ def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None
         tree_topk=topk,
     )  # fmt: skip
     deep = spy_deep_paths(monkeypatch)  # accepted nodes below a runner-up, per round
+    closed = []  # rounds the rule ran in closed form with sampled rows (tree.closed_walk)
+    walk = tree_module.closed_walk
+
+    def counted(*a, **kw):
+        closed.append(kw.get("noise", a[7] if len(a) > 7 else None) is not None)
+        return walk(*a, **kw)
+
+    monkeypatch.setattr(tree_module, "closed_walk", counted)
     params = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
     )
@@ -430,6 +438,8 @@ def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None
     trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
     assert trees >= n and hits > n // 100, (trees, hits)  # trees ran; leaves were taken
     assert (sum(deep) > n // 100) == bool(topk), sum(deep)  # the expansion's nodes were taken
+    if wrong is None:  # an expanded tree's sampled rows take the closed form; drawn ones never
+        assert (sum(closed) > 0) == bool(topk and temperature > 0), sum(closed)
     return seqs
 
 

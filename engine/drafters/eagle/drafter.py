@@ -316,7 +316,10 @@ class EagleDrafter(DrafterBase):
         prop = draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
         if runners is not None:
             more = (grown.tokens, grown.values, grown.parents) if grown is not None else None
-            alts = Alternatives(runners.tokens, runners.values, more, self.branch, point)
+            point_rows = expand if grown is not None else None
+            alts = Alternatives(
+                runners.tokens, runners.values, more, self.branch, point, point_rows
+            )
             prop.alternatives = alts
         if grown is not None:  # the extras fed at every step but a row's first
             prop.extra_rows = grown.e * sum(k - 1 for k, x in zip(plan.ks, expand) if x)

@@ -17,10 +17,10 @@ class Recorder:
         self.shape = lambda batch, q: (batch, q)
         self.points, self.steps = [], []
 
-    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
+    def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0, tree=False):
         pass
 
-    def predict(self, batch, width, steps, catch_up=0):
+    def predict(self, batch, width, steps, catch_up=0, tree=False):
         return 1.0
 
     def add_calibration(self, batch, width, seconds):

@@ -95,7 +95,7 @@ class PlainThenK(FixedK):
     def k_for(self, seq, cap):
         return 0 if self.plain > 0 else super().k_for(seq, cap)
 
-    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0, tree=False):
         self.plain -= 1
         self.catch_ups.append(catch_up)
 

@@ -214,10 +214,12 @@ def test_adaptive_accepts_any_cost_model():
     class Flat:
         shape = staticmethod(lambda batch, q: (batch, q))
 
-        def observe(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
+        def observe(
+            self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0, tree=False
+        ):
             pass
 
-        def predict(self, batch, width, steps, catch_up=0):
+        def predict(self, batch, width, steps, catch_up=0, tree=False):
             return 1.0  # drafting is free: the widest width wins
 
         def add_calibration(self, batch, width, seconds):

@@ -34,11 +34,14 @@ def machine(per_token: float, buckets=(1, 4, 8)):
     return cost, true_cost
 
 
-def run(ctrl, true_cost, batch=1, rounds=80, alpha=0.45, beta=0.5, seed=0, row_step=0.0):
+def run(
+    ctrl, true_cost, batch=1, rounds=80, alpha=0.45, beta=0.5, seed=0, row_step=0.0, tree_s=0.0
+):
     """Rounds where a draft is accepted with chance α given the ones before, and a round whose
     chain was cut short ends at a leaf with chance β·leaf_reach(L); returns (K, L) per round.
     A draft step costs ``row_step`` a head row (a tree row's expansion adds
-    ``ctrl.expand_rows`` rows to each step but its first)."""
+    ``ctrl.expand_rows`` rows to each step but its first); a round with trees ``tree_s`` more
+    (their own host work: growing them, the tree rule)."""
     rng = np.random.default_rng(seed)
     seqs = [seq(i) for i in range(batch)]
     out = []
@@ -56,7 +59,9 @@ def run(ctrl, true_cost, batch=1, rounds=80, alpha=0.45, beta=0.5, seed=0, row_s
             ctrl.observe(s, k, stats, 7)
         extra = getattr(ctrl, "expand_rows", 0) * sum(k - 1 for k, n in zip(ks, ls) if n)
         draft_s = row_step * (max(ks) * batch + extra)
-        ctrl.end_round(batch, width, max(ks), true_cost(batch, width), draft_s, 0, extra)
+        tree = any(ls)
+        rest = true_cost(batch, width) + tree_s * tree
+        ctrl.end_round(batch, width, max(ks), rest, draft_s, 0, extra, tree)
         out.append((max(ks), max(ls)))
     return out
 
@@ -131,3 +136,20 @@ def test_an_expansions_head_rows_are_priced():
     expanded = AdaptiveK(7, cost=cost, max_leaves=4, expand_rows=3)
     rounds = run(expanded, true_cost, row_step=step)
     assert all(k == 1 for k, n in rounds[20:] if n > 0), rounds
+
+
+def test_a_tree_rounds_own_work_is_learned_and_priced():
+    """Leaves that pay for their queries (the first test's machine) stop paying where a round
+    with trees costs 6 ms more of its own (growing them, the tree rule, the paths laid out as
+    chains: a CPU's few hundred small ops): the controller learns that from the tree rounds it
+    tried and drafts chains after them; at 0.5 ms it keeps its trees. A tree round widens the
+    verify at the same time, so the cost is told apart from the slope of its queries only by
+    the rounds' own record of which had trees."""
+    cost, true_cost = machine(0.0002)
+    rounds = run(AdaptiveK(7, cost=cost, max_leaves=4), true_cost, tree_s=0.0005)
+    assert np.mean([n > 0 for _, n in rounds[20:]]) > 0.8, rounds
+    cost, true_cost = machine(0.0002)
+    rounds = run(AdaptiveK(7, cost=cost, max_leaves=4), true_cost, tree_s=0.006)
+    assert any(n > 0 for _, n in rounds[:20])  # tried
+    assert all(n == 0 for _, n in rounds[20:]), rounds
+    assert cost.predict(1, 3, 3, tree=True) - cost.predict(1, 3, 3) > 0.004  # learned

@@ -149,3 +149,72 @@ def test_depths_and_ancestors():
     assert anc[4].nonzero().flatten().tolist() == [1, 4]  # node 4 sees node 1 and itself
     assert anc[1].nonzero().flatten().tolist() == [1]
     assert not anc[2, 1] and anc[2, 0]
+
+
+def random_trees(g: torch.Generator, b: int, n: int, v: int):
+    """``b`` random trees of up to ``n`` nodes over ``v`` tokens (siblings may repeat a token),
+    parents before children, padding (invalid) nodes anywhere after a row's own."""
+    parents = torch.stack([torch.randint(-1, max(i, 0), (b,), generator=g) for i in range(n)], 1)
+    parents[:, 0] = -1
+    size = torch.randint(1, n + 1, (b,), generator=g)
+    valid = torch.arange(n)[None, :] < size[:, None]
+    tokens = torch.randint(0, v, (b, n), generator=g)
+    return tokens, parents, valid
+
+
+def test_the_greedy_walk_is_the_rule_walked_node_by_node():
+    """The closed form (every row greedy) against the rule's own walk, one node and one
+    candidate at a time (the loop sampled batches take, here with every row greedy): the same
+    path, accepted count and next token on random trees where siblings may share a token (the
+    first in id order is taken), over a tiny vocabulary so that deep paths are accepted."""
+    g = torch.Generator().manual_seed(3)
+    b, n, v = 512, 9, 3
+    tokens, parents, valid = random_trees(g, b, n, v)
+    p = torch.softmax(3 * torch.randn(b, n + 1, v, generator=g), -1)
+    greedy = torch.ones(b, dtype=torch.bool)
+    u, noise = torch.rand(b, n, generator=g), torch.ones(b, v)
+    depth = int(depths(parents.masked_fill(~valid, -1)).max())
+    want = tree_accept(p, tokens, parents, valid, None, greedy, u, noise, depth, n)  # the loop
+    got = tree_accept(p, tokens, parents, valid, None, greedy, u, None, depth, n)
+    for w, x in zip(want, got):
+        assert w.tolist() == x.tolist()
+    assert int(want[1].max()) >= 3 and int((want[1] == 0).sum()) > 0  # deep and empty paths
+
+
+def test_point_mass_trees_in_closed_form_are_the_rule_draw_for_draw():
+    """Rows that try every candidate as a point mass (an expanded tree: drafters/eagle/expand.py)
+    beside greedy rows: the closed form (``every_point``) takes the same paths, counts and next
+    tokens as the rule's walk node by node with the same uniforms and noise, on random trees
+    where siblings may repeat a token; accepted and rejected candidates both, deep paths, and
+    rows that end by sampling the residual after rejecting every child."""
+    g = torch.Generator().manual_seed(6)
+    b, n, v = 1024, 9, 4
+    tokens, parents, valid = random_trees(g, b, n, v)
+    p = torch.softmax(2 * torch.randn(b, n + 1, v, generator=g), -1)
+    q = torch.softmax(torch.randn(b, n + 1, v, generator=g), -1)  # (a point row's q is unread)
+    greedy = torch.rand(b, generator=g) < 0.25
+    point = ~greedy
+    u = torch.rand(b, n, generator=g)
+    noise = torch.empty(b, v).exponential_(generator=g)
+    depth = int(depths(parents.masked_fill(~valid, -1)).max())
+    args = (p, tokens, parents, valid, q, greedy, u, noise, depth, n, point)
+    want = tree_accept(*args)  # the loop
+    got = tree_accept(*args, every_point=True)
+    for w, x in zip(want, got):
+        assert w.tolist() == x.tolist()
+    acc = want[1][point]
+    assert int(acc.max()) >= 3 and int((acc == 0).sum()) > 50  # deep paths, all rejected
+
+
+def test_ancestors_follow_every_line_up_to_the_root():
+    g = torch.Generator().manual_seed(4)
+    _, parents, _ = random_trees(g, 64, 17, 2)
+    anc = ancestors(parents)
+    for r in range(64):
+        for i in range(17):
+            line, j = {i}, int(parents[r, i])
+            while j >= 0:
+                line.add(j)
+                j = int(parents[r, j])
+            assert set(anc[r, i].nonzero().flatten().tolist()) == line
+    assert depths(parents).tolist() == anc.sum(-1).tolist()

@@ -172,7 +172,7 @@ class PlainThenK(FixedK):
     def expects_drafts(self):
         return self.eager or self.plain <= 0
 
-    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0):
+    def end_round(self, batch, width, steps, rest_s, draft_s, catch_up=0, extra_rows=0, tree=False):
         self.plain -= 1
         self.catch_ups.append(catch_up)
 
