@@ -100,12 +100,9 @@ class SlotKVCache:
         shape = (num_slots, kv_heads, max_len + 1, head_dim)
         # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN (0 * NaN = NaN).
-        # one tensor [2 layers, slots, kv_heads, max_len+1, head_dim], k's layers then v's, so
-        # that a copy across every layer is one op (move: a tree round's accepted path); each
-        # layer's k and v [slots, kv_heads, max_len+1, head_dim] are views of it
-        self.kv = zeros((2 * num_layers, *shape), dtype, device)
-        self.k = list(self.kv[:num_layers].unbind(0))
-        self.v = list(self.kv[num_layers:].unbind(0))
+        # per layer: [slots, kv_heads, max_len+1, head_dim]
+        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
 
@@ -172,7 +169,8 @@ class SlotKVCache:
         engine/round/tree.py). slot_t ``[batch]``; src, dst ``[batch, n]`` long on the device
         (padding: the scratch column both); all columns are read before any is written."""
         rows = slot_t[:, None]  # [batch, 1]
-        self.kv[:, rows, :, dst] = self.kv[:, rows, :, src]  # [batch, n, 2 layers, kv_heads, dim]
+        for t in self.k + self.v:
+            t[rows, :, dst] = t[rows, :, src]  # [batch, n, kv_heads, head_dim]
 
     def rollback(self, slot: int, length: int) -> None:
         """Forget every position >= ``length`` (they stay in memory but are never read again)."""

@@ -215,7 +215,10 @@ def closed_walk(
     assert greedy is not None
     rows = torch.arange(batch, device=tokens.device)
     p = target_probs[rows, last + 1]  # [batch, vocab]
-    tried = (valid & (parents == last[:, None])).to(p.dtype)  # [batch, n]: the last's children
+    # the last node's children, all tried and rejected (none past the walk's depth: untried)
+    last_depth = torch.where(last >= 0, anc.sum(-1).gather(1, last.clamp_min(0)[:, None])[:, 0], 0)
+    tried = valid & (parents == last[:, None]) & (last_depth < depth)[:, None]
+    tried = tried.to(p.dtype)  # [batch, n]
     out = torch.zeros_like(p).scatter_add_(1, tokens, tried) > 0  # [batch, vocab]
     rest = p.masked_fill(out, 0.0)
     rest = torch.where(rest.sum(-1, keepdim=True) > 0, rest, p)  # (no mass left: p, as the rule)

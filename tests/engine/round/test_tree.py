@@ -206,6 +206,19 @@ def test_point_mass_trees_in_closed_form_are_the_rule_draw_for_draw():
     assert int(acc.max()) >= 3 and int((acc == 0).sum()) > 50  # deep paths, all rejected
 
 
+def test_a_walk_stopped_by_its_depth_samples_the_whole_distribution():
+    """A point row whose path reaches the walk's ``depth`` never tries the last node's children:
+    it emits from that node's whole p (the closed form as the loop: the children stay in p)."""
+    tokens, parents = torch.tensor([[1, 0]]), torch.tensor([[-1, 0]])
+    p = torch.tensor([[[0.0, 1.0], [0.9, 0.1], [0.5, 0.5]]])
+    u, noise = torch.tensor([[0.5, 0.99]]), torch.ones(1, 2)
+    greedy, point, valid = torch.tensor([False]), torch.tensor([True]), torch.ones(1, 2).bool()
+    args = (p, tokens, parents, valid, None, greedy, u, noise, 1, 1, point)
+    want, got = tree_accept(*args), tree_accept(*args, every_point=True)
+    assert want[1].tolist() == got[1].tolist() == [1]  # node 0 taken, the walk stops there
+    assert want[2].tolist() == got[2].tolist() == [0]  # argmax of p / noise: token 0 (0.9)
+
+
 def test_ancestors_follow_every_line_up_to_the_root():
     g = torch.Generator().manual_seed(4)
     _, parents, _ = random_trees(g, 64, 17, 2)
