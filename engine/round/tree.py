@@ -175,13 +175,13 @@ def closed_walk(
     a point mass x_i, when u_i < p_{i-1}(x_i) = p(x_i) / (1 - the sum of p(x_j) over its
     earlier siblings j), p its parent's distribution (the earlier siblings taken out and
     renormalised, as the rule does once they are rejected; the test needs no outcome before
-    it). Node i is
-    *taken* when it passes and no earlier sibling does: the rule tries a node's children in id
-    order and moves to the first that passes. The path is the nodes whose whole line, down to
-    themselves, is taken: at most one a depth, in id order as parents come first. The row then
-    emits, at the path's last node (or the root), the argmax (greedy) or a sample of p with the
-    node's children (all tried, all rejected) taken out. A sibling repeating an earlier one's
-    token never passes (the rule took that token out of p when it rejected the first)."""
+    it). Node i is *taken* when it passes and no earlier sibling does: the rule tries a node's
+    children in id order and moves to the first that passes. The path is the nodes whose whole
+    line, down to themselves, is taken: at most one a depth, in id order as parents come first.
+    The row then emits, at the path's last node (or the root), the argmax (greedy) or a sample
+    of p with the node's children (all tried, all rejected) taken out. A sibling repeating an
+    earlier one's token never passes (the rule took that token out of p when it rejected the
+    first)."""
     batch, n = tokens.shape
     vocab = target_probs.shape[-1]
     ids = torch.arange(n, device=tokens.device)
@@ -203,7 +203,8 @@ def closed_walk(
     passes &= valid
     taken = passes & ~(earlier_sibling & passes[:, None, :]).any(-1)  # [batch, n]
     anc = ancestors(parents)  # [batch, n, n]
-    on = ~(anc & ~taken[:, None, :]).any(-1) & (anc.sum(-1) <= depth)  # [batch, n]
+    node_depth = anc.sum(-1)  # [batch, n]
+    on = ~(anc & ~taken[:, None, :]).any(-1) & (node_depth <= depth)  # [batch, n]
     num_accepted = on.sum(1)
     path = torch.sort(torch.where(on, ids, n + ids), dim=1).indices[:, :depth]
     cols = torch.arange(path.shape[1], device=ids.device)
@@ -216,7 +217,7 @@ def closed_walk(
     rows = torch.arange(batch, device=tokens.device)
     p = target_probs[rows, last + 1]  # [batch, vocab]
     # the last node's children, all tried and rejected (none past the walk's depth: untried)
-    last_depth = torch.where(last >= 0, anc.sum(-1).gather(1, last.clamp_min(0)[:, None])[:, 0], 0)
+    last_depth = torch.where(last >= 0, node_depth.gather(1, last.clamp_min(0)[:, None])[:, 0], 0)
     tried = valid & (parents == last[:, None]) & (last_depth < depth)[:, None]
     tried = tried.to(p.dtype)  # [batch, n]
     out = torch.zeros_like(p).scatter_add_(1, tokens, tried) > 0  # [batch, vocab]
