@@ -10,6 +10,7 @@ committing anything to its cache.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections import Counter
@@ -28,9 +29,17 @@ class Row:
 
 
 def read_rows(path: Path, max_len: int, limit: int = 0, greedy_only: bool = False) -> list[Row]:
-    """The records of ``path`` as rows (``greedy_only``: those answered at temperature 0)."""
+    """The records of ``path`` as rows (``greedy_only``: those answered at temperature 0): JSON
+    lines, gzipped (``.gz``) or not, or packed rows (``.npz``: train/packed.py, no
+    temperatures kept)."""
+    if path.suffix == ".npz":
+        from .packed import load_rows
+
+        if greedy_only:
+            raise ValueError(f"{path}: packed rows keep no temperatures (greedy_only)")
+        return load_rows(path, max_len, limit)
     rows = []
-    with open(path) as f:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
         for line in f:
             try:
                 r = json.loads(line)
@@ -102,13 +111,18 @@ class Features:
 
 
 @torch.no_grad()  # not inference_mode: the head's autograd reads these tensors
-def target_features(runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> Features:
+def target_features(
+    runner: ModelRunner, rows: list[Row], t2d: torch.Tensor, host: bool = True
+) -> Features:
     """One forward of the target over ``rows`` (slots 0..B-1, nothing committed). ``predict``
-    keeps the answer positions whose target top token is in the draft vocabulary (``t2d``)."""
+    keeps the answer positions whose target top token is in the draft vocabulary (``t2d``).
+    ``host``: the features on the host, for the cache (feature_cache.py); without a cache they
+    stay on the runner's device (copies: the runner's buffers are reused by its next forward)."""
     B, S = len(rows), max(len(r.ids) for r in rows)
     h, tapped = runner.hidden([r.ids for r in rows], list(range(B)))  # [B, S, H]
     assert tapped is not None
-    feats = tapped.to("cpu", copy=True)  # host tensors: cached (feature_cache.py)
+    where = "cpu" if host else tapped.device
+    feats = tapped.to(where, copy=True)
     tokens = torch.zeros(B, S, dtype=torch.long)
     predict = torch.zeros(B, S, dtype=torch.bool)
     for b, r in enumerate(rows):
@@ -117,7 +131,7 @@ def target_features(runner: ModelRunner, rows: list[Row], t2d: torch.Tensor) -> 
     flat = h.reshape(B * S, -1)
     top = torch.cat([runner.logits(c).argmax(-1) for c in flat.split(1024)])  # the target's top
     predict &= t2d.cpu()[top.view(B, S).cpu()]
-    return Features(tokens, feats, h.cpu(), predict)
+    return Features(tokens, feats, h.to(where, copy=True), predict)
 
 
 @torch.no_grad()

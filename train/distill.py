@@ -106,14 +106,23 @@ def run(args: argparse.Namespace) -> None:
         built.engine.warm_up()
     engine, tok = built.engine, cast(Any, built.tokenizer)
     done = load_done(path)
-    found = still_to_answer(
-        first_turns(args.split),
-        done,
-        lambda conv_id, text: encode(tok, Prompt(conv_id, "sharegpt", "chat", text)),
-        args.max_prompt,
-        args.limit,
-        args.offset,
-    )
+    if args.prompts:  # packed rows' prompts (train/packed.py), where the data set is not installed
+        from .packed import load_prompts
+
+        found = [
+            (conv_id, ids, _sampled(conv_id))
+            for conv_id, ids in load_prompts(args.prompts, args.max_prompt)[args.offset :]
+            if conv_id not in done
+        ][: max(0, args.limit - len(done)) if args.limit else None]
+    else:
+        found = still_to_answer(
+            first_turns(args.split),
+            done,
+            lambda conv_id, text: encode(tok, Prompt(conv_id, "sharegpt", "chat", text)),
+            args.max_prompt,
+            args.limit,
+            args.offset,
+        )
     todo = deque(by_length_windows(found, 8 * args.batch))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     tokens, seconds = stats.get("output_tokens", 0), stats.get("seconds", 0.0)
@@ -174,3 +183,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--native-q4", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="compiled decode steps (warm-up first)")
+    ap.add_argument(
+        "--prompts",
+        default=None,
+        help="the prompts of a packed rows file (train/packed.py) instead of the data set's "
+        "first turns of --split (the rows must come from that split)",
+    )

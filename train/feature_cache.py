@@ -51,7 +51,7 @@ class FeatureCache:
         if path is not None and path.exists():  # written whole (below): a kill leaves a .tmp
             self.hits += 1
             return Features(**torch.load(path, weights_only=True))
-        f = target_features(runner, rows, t2d)
+        f = target_features(runner, rows, t2d, host=self.dir is not None)
         self.misses += 1
         if path is not None:
             tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -162,7 +162,22 @@ def run(args: argparse.Namespace) -> None:
         torch.save(state | {"seconds": seconds, "tokens": seen}, work / "checkpoint.tmp")
         (work / "checkpoint.tmp").replace(ckpt)
 
+    eval_steps = args.eval_steps or args.ttt_steps
+
+    def agreement_now() -> list[float]:  # greedy: top-1 agreement per draft step
+        got, _ = acceptance_by_step(
+            fwd, runner, cache, eval_rows, eval_steps, args.tokens, args.bf16, sampled=False
+        )
+        return got
+
+    # the starting head on the same rows, same run (a warm start's baseline)
+    init_agreement = agreement_now() if args.eval_init and eval_rows and step == 0 else None
+    if init_agreement is not None:
+        print(f"the starting head's agreement by step: {init_agreement}", flush=True)
+    elif args.eval_init:
+        print("--eval-init: not measured (a resumed fit, or no eval rows)", flush=True)
     bar = tqdm(total=total, initial=step, desc="train head", unit="step")
+    at_3 = 0.0
     t_last = time.perf_counter()
     while step < total:
         epoch, i = divmod(step, len(groups))
@@ -185,19 +200,24 @@ def run(args: argparse.Namespace) -> None:
         seen += int(b.tokens.count_nonzero())
         now = time.perf_counter()
         seconds, t_last = seconds + now - t_last, now
-        if args.minutes and step == 3:  # the schedule's length, from 3 timed steps (kept on resume)
-            total = max(step + 1, min(total, int(args.minutes * 60 / (seconds / step))))
+        # the schedule's length from the step time (kept on resume): steps 4-8 timed, past the
+        # first ones' warm-up (a GPU's first steps plan kernels and grow its allocator)
+        if step == 3:
+            at_3 = seconds
+        if args.minutes and step == 8 and at_3:
+            per_step = (seconds - at_3) / 5
+            left = max(0.0, args.minutes * 60 - seconds)
+            total = max(step + 1, min(total, step + int(left / per_step)))
             bar.total = total
+        if args.minutes and seconds > args.minutes * 60:  # the time is the limit, not the guess
+            total = step
         bar.update(1)
         acc = " ".join(f"{a:.2f}" for a in accs)
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=acc, cached=cache.hits)
         if step % args.checkpoint_every == 0 or step == total:
             save_checkpoint()
     bar.close()
-    eval_steps = args.eval_steps or args.ttt_steps
-    agreement, _ = acceptance_by_step(  # greedy: top-1 agreement per draft step
-        fwd, runner, cache, eval_rows, eval_steps, args.tokens, args.bf16, sampled=False
-    )
+    agreement = agreement_now()
     out = Path(args.out)
     save_head(head, out)
     report = {
@@ -225,6 +245,10 @@ def run(args: argparse.Namespace) -> None:
         "eval_data": str(data / args.eval_file),
         "eval_sequences": len(eval_rows),
         "eval_top1_agreement_by_step": [round(a, 4) for a in agreement],
+        "init_eval_top1_agreement_by_step": (
+            [round(a, 4) for a in init_agreement] if init_agreement is not None else None
+        ),
+        "device": str(dev),
         # teacher-forced agreement chained as acceptance: an estimate of tau, not a measurement
         "eval_simulated_tau_k3": round(simulated_tau(agreement, 3), 3) if agreement else None,
     }
@@ -282,6 +306,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--eval-steps", type=int, default=0, help="draft steps evaluated (0: --ttt-steps)"
     )
     ap.add_argument("--checkpoint-every", type=int, default=100)
+    ap.add_argument(
+        "--eval-init",
+        action="store_true",
+        help="also evaluate the starting head (--init) on the eval rows before training",
+    )
     # the target's layers 4-bit as served: the 4-bit matmuls are slower than dense bf16 ones on
     # long training rows, so the features come from the same weights dequantized to bf16
     ap.add_argument("--native-q4", action=argparse.BooleanOptionalAction, default=False)

@@ -5,6 +5,7 @@ results so far is rewritten after every section, so a kill keeps what finished):
   0 device facts and measured memory bandwidth      3 engine plain decode, batch 1
   1 models (random weights) + engine, compile       4 synthetic acceptance vs the bound, batch 1
   2 step costs at batch 1 on a filled cache         5 batches: tok/s, ITL, phases; K off/4/adaptive
+                                                    6 tree verify vs decode; prefix-cache TTFT
 Random weights and synthetic acceptance (loadtest/bench/synthetic.py): outputs are not the
 target's; the figures are the engine's speed at a given acceptance rate. A GPU run:
 ``python -m loadtest.bench.gpu`` (llama-8b, llama-1b draft, CUDA graphs); a CPU check of the
@@ -45,6 +46,7 @@ class Bench:
         self.a, self.dev, self.dtype = a, torch.device(a.device), getattr(torch, a.dtype)
         self.r: dict = {"args": vars(a), "errors": {}, "section_s": {}}
         self.t0, self.nreq, self.bound_tps = time.perf_counter(), 0, None
+        self.sections: list[int] = []  # main() sets the sections run
         self.gen = torch.Generator(device=self.dev).manual_seed(2)  # synthetic acceptance draws
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=a.max_tokens)
 
@@ -88,7 +90,10 @@ class Bench:
         bw = self.r.get("s0", {}).get("copy_rw_gbs")
         self.bound_tps = bw * 1e9 / wbytes if bw else None
         batches = [int(b) for b in a.batches.split(",")]
-        max_len = max(a.prompt_tokens + a.max_tokens, a.context) + K_MAX + 32
+        lens = [a.prompt_tokens + a.max_tokens, a.context]
+        if 6 in self.sections:  # trees verified after 300 cached tokens; a cached prompt and a turn
+            lens += [300 + a.tree_max_n, a.prefix_tokens + 64]
+        max_len = max(lens) + K_MAX + 32  # (more key-length buckets to capture only when asked)
         self.batches = batches
         self.target = ModelRunner(
             self.tmodel, max(batches), max_len, compile=self.fast("target"), k_max=K_MAX
@@ -285,6 +290,48 @@ class Bench:
             self.save()
         self.r["s5"]["graphs"] = parts.graph_counts(self.engine.runners())
 
+    def s6(self) -> None:
+        """Draft trees and the prefix cache on the device: the verify of N tokens a row as a chain
+        and as a tree (a chain of min(3, N - 1) and leaves, under the tree mask) against a decode,
+        batch 1 and 32, through the fast path and eager (loadtest/bench/trees.py); a prompt's
+        time to its first token cold, and grown by a turn with the rest in the prefix cache."""
+        from loadtest.bench.trees import verify_costs
+
+        a = self.a
+        rows = verify_costs(self.engine, min(32, max(self.batches)), a.tree_max_n)
+        decode = {r["batch"]: r["chain_compiled_ms"] for r in rows if r["n"] == 1}
+        for r in rows:
+            for k in [k for k in r if k.endswith("_ms")]:
+                r[k.replace("_ms", "_x_decode")] = r[k] / decode[r["batch"]]
+        cols = "batch:d n:d chain_compiled_ms:.2f tree_compiled_ms:.2f tree_compiled_x_decode:.2f"
+        parts.table("verify of N tokens a row (ms; x decode: over the batch's decode)", rows, cols)
+        out: dict = {"verify": rows}
+        self.r["s6"] = out
+        self.save()
+        eng = SpecEngine(
+            self.target, None, [], controller=FixedK(0), prefix_cache_tokens=4 * a.prefix_tokens
+        )
+        first = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
+
+        def ttft(prompt: list[int]):  # ms to the first token, and the sequence
+            seqs: list = []
+            ms = 1e3 * time_call(
+                lambda: seqs.extend(eng.generate([prompt], first, PLAIN)), self.dev
+            )
+            return ms, seqs[0]
+
+        g = torch.Generator().manual_seed(5)
+        hits = []
+        for _ in range(3):  # the first run warms the prefill's shapes up
+            history = torch.randint(0, self.vocab, (a.prefix_tokens,), generator=g).tolist()
+            turn = torch.randint(0, self.vocab, (64,), generator=g).tolist()
+            cold, _ = ttft(history)
+            hit, seq = ttft(history + turn)
+            hits.append(dict(cold_ms=cold, hit_ms=hit, cached=seq.cached_tokens))
+        out["prefix"] = dict(prompt_tokens=a.prefix_tokens, turn_tokens=64, runs=hits)
+        out["prefix"] |= {k: med(h[k] for h in hits[1:]) for k in ("cold_ms", "hit_ms")}
+        self.log(f"prefix cache: {parts.short(out['prefix'])}")
+
     def report(self) -> None:
         parts.report(self.r, self.a, self.dev)
 
@@ -297,6 +344,7 @@ def main(argv=None) -> None:
     if any(s >= 2 for s in sections):
         sections = sorted({*sections, 1})  # the models and engine
     b = Bench(a)
+    b.sections = sections
     for n in sections:
         b.log(f"== section {n}")
         t = time.perf_counter()

@@ -126,6 +126,8 @@ def parse_args(argv, doc: str):
         ("json", "loadtest/results/gpu_bench.json", ""),
         ("fuse", 0, "compile.fuse (inductor's layer groups in the graphs): 1 target, 2 all"),
         ("layers-per-graph", 8, "layers a fused group compiles"),
+        ("tree-max-n", 16, "section 6: verify sizes 1..N"),
+        ("prefix-tokens", 2000, "section 6: the cached prompt's tokens"),
     ):  # fmt: skip
         ap.add_argument(f"--{name}", default=default, type=type(default), help=doc or None)
     ap.add_argument("--no-eagle", dest="eagle", action="store_false")

@@ -3,7 +3,9 @@
 Conversations from ShareGPT's evaluation bucket (``e``; prompts/sharegpt.py's split, which never
 returns the reserved ``f``): the first ``--turns`` user turns of conversations that have that
 many, the data set's own assistant answers in the history, so every server is sent the same
-prompts whatever it answers. Each turn asks for ``--max-tokens`` greedy tokens, streamed.
+prompts whatever it answers (``--history own``: each server's own answers instead, as a chat
+client resends them: a prefix cache then holds every token but the new user turn's). Each turn
+asks for ``--max-tokens`` greedy tokens, streamed.
 
 Runs, each server alone (the others stopped: they would share the cores):
 
@@ -94,7 +96,7 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
         "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    ttft, chunks, usage = None, 0, None
+    ttft, chunks, usage, text = None, 0, None, []
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             r.read()
@@ -106,6 +108,7 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
             usage = event.get("usage") or usage
             for c in event.get("choices") or []:
                 if (c.get("delta") or {}).get("content"):
+                    text.append(c["delta"]["content"])
                     chunks += 1
                     if ttft is None:
                         ttft = time.perf_counter() - t0
@@ -121,6 +124,7 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
         "completion_tokens": tokens,
         "prompt_tokens": (usage or {}).get("prompt_tokens"),
         "cached_tokens": details.get("cached_tokens"),
+        "text": "".join(text),
     }
 
 
@@ -129,8 +133,9 @@ def chunks(items: list, k: int) -> list[list]:
     return [items[i::k] for i in range(k)]
 
 
-def replay(base: str, model: str, history, pairs, max_tokens: int) -> list[dict]:
-    """One conversation: each turn sends ``history``, the earlier pairs and the next user turn."""
+def replay(base: str, model: str, history, pairs, max_tokens: int, own: bool) -> list[dict]:
+    """One conversation: each turn sends ``history``, the earlier pairs and the next user turn
+    (``own``: the earlier turns' answers are the server's, else the data set's)."""
     msgs = []
     for u, a in history:
         msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
@@ -138,15 +143,17 @@ def replay(base: str, model: str, history, pairs, max_tokens: int) -> list[dict]
     for u, a in pairs:
         msgs.append({"role": "user", "content": u})
         out.append(turn(base, model, list(msgs), max_tokens))
-        msgs.append({"role": "assistant", "content": a})  # the data set's answer
+        msgs.append({"role": "assistant", "content": out[-1]["text"] if own else a})
     return out
 
 
-def measure(base: str, model: str, convs, concurrency: int, max_tokens: int) -> dict:
+def measure(
+    base: str, model: str, convs, concurrency: int, max_tokens: int, own: bool = False
+) -> dict:
     """Every conversation of ``convs`` ((history, pairs) each), ``concurrency`` at once."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        runs = list(pool.map(lambda c: replay(base, model, c[0], c[1], max_tokens), convs))
+        runs = list(pool.map(lambda c: replay(base, model, c[0], c[1], max_tokens, own), convs))
     wall = time.perf_counter() - t0
     turns = len(runs[0])
     by_turn = [[r[t] for r in runs] for t in range(turns)]
@@ -198,6 +205,12 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", default="specd,specd-nocache,llama-server")
     ap.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary")
     ap.add_argument("--out", default="loadtest/results/multiturn")
+    ap.add_argument(
+        "--history",
+        choices=["dataset", "own"],
+        default="dataset",
+        help="the earlier answers resent: the data set's, or each server's own",
+    )
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,10 +232,11 @@ def main(argv=None) -> int:
         with server(name, a, out) as (base, model):
             warm = [([], p) for p in dialogues(2, 1, skip=2 * n + 31 * a.long + 2 * n)]
             measure(base, model, warm, 1, 8)  # first requests after start-up
+            own = a.history == "own"
             runs = [
-                measure(base, model, alone, 1, a.max_tokens),
-                measure(base, model, together, a.concurrency, a.max_tokens),
-                measure(base, model, long, 1, a.max_tokens),
+                measure(base, model, alone, 1, a.max_tokens, own),
+                measure(base, model, together, a.concurrency, a.max_tokens, own),
+                measure(base, model, long, 1, a.max_tokens, own),
                 measure(base, model, firsts[:n], 1, a.max_tokens),
                 measure(base, model, firsts[n:], a.concurrency, a.max_tokens),
             ]

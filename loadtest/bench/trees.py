@@ -92,7 +92,7 @@ def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
             target.cache.allocate(s)
             target.cache.commit(s, 300)
         for n in range(1, max_n + 1):
-            ids = torch.randint(0, 1000, (rows, n), device=target.device)
+            ids = torch.randint(0, min(1000, target.vocab_size), (rows, n), device=target.device)
             counts = [n] * rows
             calls = {"chain": (ids, {})}
             if n > 1:

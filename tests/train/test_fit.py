@@ -51,3 +51,50 @@ def test_a_short_fit_trains_evaluates_and_saves_a_loadable_head(tmp_path):
     head, base = load_head(str(out)), load_head(shipped)
     assert torch.equal(head.draft_to_target, base.draft_to_target)
     assert not torch.equal(head.fc.weight, base.fc.weight)  # the steps changed it
+
+
+@pytest.mark.real_model
+def test_the_gpu_runs_inputs_packed_rows_and_the_starting_heads_agreement(tmp_path):
+    """The inputs of a GPU fit (scripts/gpu_train.sh): packed training rows, a gzipped eval file,
+    no feature cache (the features stay on the runner's device) and ``--eval-init``. With a zero
+    learning rate the trained head is the starting one, so the agreement ``--eval-init`` records
+    before training must equal the final evaluation's: both measure the same thing."""
+    import gzip
+
+    from engine.config import DEFAULT_TARGET
+    from engine.model.loader import load_model
+    from train.packed import save_rows
+
+    _, tok = load_model(DEFAULT_TARGET, "bfloat16")
+    text = (
+        "The quick brown fox jumps over the lazy dog. It was the best of times, it was the "
+        "worst of times. One, two, three, four, five, six, seven, eight, nine, ten, eleven. "
+    )
+    ids = tok(text * 4)["input_ids"]
+    rows = [ids[i * 5 : i * 5 + 48] for i in range(8)]  # real text: some drafts agree
+    save_rows(tmp_path / "train.npz", ((r, 16) for r in rows[:6]))
+    with gzip.open(tmp_path / "eval.jsonl.gz", "wt") as f:
+        for r in rows[6:]:
+            f.write(json.dumps({"prompt_ids": r[:16], "output_ids": r[16:]}) + "\n")
+    ap = argparse.ArgumentParser()
+    fit.add_arguments(ap)
+
+    def run(lr: str) -> dict:
+        out = tmp_path / f"head-{lr}"
+        fit.run(ap.parse_args([
+            f"--data={tmp_path}", "--train-files=train.npz", "--eval-file=eval.jsonl.gz",
+            f"--work={tmp_path / f'work-{lr}'}", f"--out={out}",
+            "--init=models/smollm2-135m-eagle3", "--max-steps=2", "--eval-rows=2",
+            "--tokens=256", "--max-len=64", "--warmup=1", f"--lr={lr}", "--feature-cache=",
+            "--eval-init",
+        ]))  # fmt: skip
+        return json.loads((out / "training.json").read_text())
+
+    still, moved = run("0"), run("0.01")
+    assert still["train_sequences"] == 6 and still["eval_sequences"] == 2
+    init = still["init_eval_top1_agreement_by_step"]
+    assert len(init) == 4 and sum(init) > 0
+    assert still["eval_top1_agreement_by_step"] == init  # an unchanged head measures the same
+    # measured before training: the same whatever the steps then do to the head
+    assert moved["init_eval_top1_agreement_by_step"] == init
+    assert moved["eval_top1_agreement_by_step"] != init

@@ -23,3 +23,21 @@ def test_a_long_history_reaches_the_size_asked():
     history, turns = grown(base, filler[0], 1000)
     assert turns == base and sum(len(u) + len(a) for u, a in history) >= 4000
     assert not set(history) & set(grown(base, filler[1], 1000)[0])
+
+
+def test_the_history_resends_the_data_sets_or_the_servers_own_answers(monkeypatch):
+    from loadtest.bench import multiturn
+
+    sent: list[list[dict]] = []
+
+    def fake_turn(base, model, messages, max_tokens):
+        sent.append(messages)
+        return {"text": f"own answer {len(sent)}"}
+
+    monkeypatch.setattr(multiturn, "turn", fake_turn)
+    pairs = [("q1", "a1"), ("q2", "a2"), ("q3", "a3")]
+    for own, answers in ((False, ["a1", "a2"]), (True, ["own answer 1", "own answer 2"])):
+        sent.clear()
+        multiturn.replay("http://x", "m", [("h", "ha")], pairs, 8, own)
+        want = ["h", "ha", "q1", answers[0], "q2", answers[1], "q3"]
+        assert [m["content"] for m in sent[-1]] == want
