@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 21, in one run on a lent GPU (the device tool): run from the repo root,
-# with .whl (the server's wheels) and .gpu (the SmolLM2 tokenizer files) carried, and $OUT set.
+# with .whl (the server's wheels) and .gpu/tok (the SmolLM2 tokenizer files) carried, and $OUT set
+# (not the whole .gpu: it also holds the packed fit's parts, over a call's 64 MiB).
 #   phases: env, tests (engine tests with SPECD_TEST_DEVICE=cuda), server (specd serve on the
 #   GPU, the official client), bench (loadtest/bench/gpu.py: Llama-3.1-8B shapes), slow (the
 #   distribution tests), probe (scripts/gpu_probe.py: a decode layer's kernels and time, by
