@@ -12,7 +12,8 @@
 # FIT_MINUTES (6) at most: both shrink to end by DEADLINE_S (570) seconds after the script
 # starts, within the device tool's 600 s a call, a saved head in $OUT. Knobs: DISTILL_BATCH (256),
 # TOKENS (16384 a batch), LR (2e-4), WARMUP (100), MAX_LEN (2048), EPOCHS (4), DEVICE (cuda; cpu
-# rehearses it here), PY (python3), STAGE_DIR (/tmp/stage), RESUME (1: keep an earlier fit's
+# rehearses it here), PY (python3), STAGE_DIR (/tmp/stage), CONVERSATIONS (0: fit on the
+# distilled answers alone, not the packed conversations), RESUME (1: keep an earlier fit's
 # checkpoint and answers on a still-warm machine), FIT_ARGS (more `python -m train fit` options).
 # What comes back ($OUT, 16 MiB a file): head/{config.json,training.json,model.safetensors.part-*}
 # (join: cat model.safetensors.part-* > model.safetensors; head.sha256 checks it), fit.log,
@@ -77,7 +78,9 @@ if awk -v x="$DMIN" 'BEGIN { exit !(x >= 0.5) }'; then
     --minutes "$DMIN" --out "$STAGE_DIR" >"$OUT/distill.log" 2>&1
   say "distill exit $?: $(wc -l <"$STAGE_DIR/train.jsonl" 2>/dev/null) answers, $(cat "$STAGE_DIR/train.stats.json" 2>/dev/null)"
   tr '\r' '\n' <"$OUT/distill.log" | grep -v "^distill" | tail -5
-  [ -s "$STAGE_DIR/train.jsonl" ] && TRAIN_FILES=train.jsonl,$ROWS
+  if [ -s "$STAGE_DIR/train.jsonl" ]; then  # CONVERSATIONS=0: the target's own answers alone
+    TRAIN_FILES=train.jsonl,$ROWS; [ "${CONVERSATIONS:-1}" = 0 ] && TRAIN_FILES=train.jsonl
+  fi
 fi
 # the fit's loop stops at its minutes; loading, the two evaluations and the save take <2 min
 FMIN=$(minutes_for "${FIT_MINUTES:-6}" 130)
