@@ -67,11 +67,15 @@ def mixed(per_category: int | None = None) -> list[Prompt]:
     return out
 
 
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` in the tokenizer's chat template (a list, whichever form the
+    transformers version returns)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
 def encode(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids as the server would build them: chat prompts through the chat template."""
     if prompt.kind == "chat":
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt.text}], add_generation_prompt=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt.text}])
     return list(tokenizer(prompt.text)["input_ids"])

@@ -25,7 +25,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -132,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"budget a call {budget / MIB:.1f} MiB; weights {weights / MIB:.1f} MiB, rows and eval")
     print(f"{data / MIB:.1f} MiB")
     for c in calls:
-        size = sum(p.stat().st_size for p in c.iterdir())
-        print(f"  {c.relative_to(root)}: {size / MIB:.1f} MiB ({', '.join(sorted(os.listdir(c)))})")
+        files = sorted(c.iterdir())
+        size = sum(p.stat().st_size for p in files)
+        names = ", ".join(p.name for p in files)
+        print(f"  {c.relative_to(root)}: {size / MIB:.1f} MiB ({names})")
     print("calls, in one batch of tool calls (the machine stays warm 30 s after each):")
     for i, c in enumerate(calls):
         rel = c.relative_to(root)

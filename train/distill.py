@@ -45,7 +45,8 @@ def still_to_answer(
     limit: int,
     offset: int = 0,
 ) -> list[tuple[str, list[int], bool]]:
-    """``(id, prompt ids, sampled)`` of the conversations not answered yet, in the file's order,
+    """``(id, prompt ids, sampled)`` of the conversations not answered yet, in the file's order
+    (``turns``: (id, text) and ``encode`` its ids; or (id, ids) and ``encode`` returning them),
     prompts of at most ``max_prompt`` tokens. The first ``offset`` such prompts (answered or not)
     are passed over: an earlier run's fit already learned them. ``limit`` (0: none) counts the
     answered ones too: a split already holding ``limit`` answers gets no more."""
@@ -109,20 +110,18 @@ def run(args: argparse.Namespace) -> None:
     if args.prompts:  # packed rows' prompts (train/packed.py), where the data set is not installed
         from .packed import load_prompts
 
-        found = [
-            (conv_id, ids, _sampled(conv_id))
-            for conv_id, ids in load_prompts(args.prompts, args.max_prompt)[args.offset :]
-            if conv_id not in done
-        ][: max(0, args.limit - len(done)) if args.limit else None]
+        turns: Iterable[tuple[str, Any]] = load_prompts(args.prompts, args.max_prompt)
+
+        def to_ids(conv_id: str, text: Any) -> list[int]:  # the packed prompts: ids already
+            return text
+
     else:
-        found = still_to_answer(
-            first_turns(args.split),
-            done,
-            lambda conv_id, text: encode(tok, Prompt(conv_id, "sharegpt", "chat", text)),
-            args.max_prompt,
-            args.limit,
-            args.offset,
-        )
+        turns = first_turns(args.split)
+
+        def to_ids(conv_id: str, text: Any) -> list[int]:
+            return encode(tok, Prompt(conv_id, "sharegpt", "chat", text))
+
+    found = still_to_answer(turns, done, to_ids, args.max_prompt, args.limit, args.offset)
     todo = deque(by_length_windows(found, 8 * args.batch))
     stats = json.loads(stats_path.read_text()) if stats_path.exists() else {}
     tokens, seconds = stats.get("output_tokens", 0), stats.get("seconds", 0.0)

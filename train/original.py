@@ -38,7 +38,7 @@ def messages_of(conv: dict) -> list[dict[str, str]] | None:
 def whole_rows(tok, split: str, max_prompt: int, max_len: int) -> Iterator[tuple[list[int], int]]:
     """``(ids, start)`` of each usable conversation of ``split``: ``ids[:start]`` is its first
     user turn as the server encodes a chat prompt, the rest its later turns."""
-    from prompts.sets import Prompt, encode
+    from prompts.sets import Prompt, chat_ids, encode
 
     for conv in conversations(split):
         msgs = messages_of(conv)
@@ -47,8 +47,7 @@ def whole_rows(tok, split: str, max_prompt: int, max_len: int) -> Iterator[tuple
         prompt = encode(tok, Prompt(conv["id"], "sharegpt", "chat", msgs[0]["content"]))
         if len(prompt) > max_prompt:
             continue
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=False)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = chat_ids(tok, msgs, add_generation_prompt=False)
         if ids[: len(prompt)] != prompt:  # the template did not extend the prompt: skip it
             continue
         yield ids[:max_len], len(prompt)

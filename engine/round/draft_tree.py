@@ -52,6 +52,12 @@ class DraftTree(NamedTuple):
     point: torch.Tensor | None  # [batch] bool: candidates tried as point masses (tree.py)
     point_rows: list[bool] | None  # ``point`` on the host
 
+    @property
+    def node_ancestors(self) -> torch.Tensor:
+        """``[batch, n, n]`` bool: node j is node i or one of its ancestors (tree.ancestors, as
+        the verify's mask holds it)."""
+        return self.tree.visible[:, 1:, 1:]
+
 
 def grow(
     drafts: torch.Tensor,  # [batch, K] long: the chains

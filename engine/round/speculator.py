@@ -134,6 +134,7 @@ class Speculator:
             path, num_acc, next_tok = tree_accept(
                 probs, nodes, tree.parents, tree.valid, tree.q, plan.greedy, uniforms,
                 plan.noise, kmax, tree.width, tree.point, every_point,
+                tree.node_ancestors,
             )  # fmt: skip
             cache = self.target.cache
             st = settle(tree, path, num_acc, probs, tapped, cache, slots, starts, top_n is not None)

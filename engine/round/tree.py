@@ -92,19 +92,22 @@ def tree_accept(
     point: torch.Tensor | None = None,  # [batch] bool: rows whose candidates were chosen, not
     # drawn: each tried as a point mass (module docstring)
     every_point: bool = False,  # host: every row is greedy or a ``point`` row (closed form)
+    anc: torch.Tensor | None = None,  # [batch, n, n] :func:`ancestors` of ``parents``, where the
+    # caller holds it (the tree's attention mask); None: computed here
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(path [batch, depth] long, num_accepted [batch], next_token [batch])``: row b
     emits ``tokens[b, path[b, :num_accepted[b]]]`` then ``next_token[b]`` (path padded with
     -1). No device -> host sync."""
     if noise is None:  # every row greedy
-        return closed_walk(target_probs, tokens, parents, valid, depth)
+        return closed_walk(target_probs, tokens, parents, valid, depth, anc=anc)
     if every_point:
-        return closed_walk(target_probs, tokens, parents, valid, depth, greedy, uniforms, noise)
+        return closed_walk(
+            target_probs, tokens, parents, valid, depth, greedy, uniforms, noise, anc
+        )
     batch, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(batch, device=dev)
     real = valid
-    point = point if noise is not None else None  # (every row greedy: argmax walks alone)
     cur = torch.full((batch,), -1, dtype=torch.long, device=dev)  # the node a row stands at
     walking = torch.ones(batch, dtype=torch.bool, device=dev)
     path = torch.full((batch, depth + 1), -1, dtype=torch.long, device=dev)  # last: scratch
@@ -167,6 +170,7 @@ def closed_walk(
     greedy: torch.Tensor | None = None,  # [batch] bool; None: every row greedy
     uniforms: torch.Tensor | None = None,  # [batch, n]: node i's test (sampled rows)
     noise: torch.Tensor | None = None,  # [batch, vocab] Exp(1): the emitted sample
+    anc: torch.Tensor | None = None,  # [batch, n, n] :func:`ancestors` (None: computed here)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule in closed form for rows that are greedy or try every candidate as a point mass
     (module docstring), no loop over depths and candidates; returns as :func:`tree_accept`.
@@ -202,7 +206,7 @@ def closed_walk(
         passes = torch.where(greedy[:, None], passes, sampled)
     passes &= valid
     taken = passes & ~(earlier_sibling & passes[:, None, :]).any(-1)  # [batch, n]
-    anc = ancestors(parents)  # [batch, n, n]
+    anc = ancestors(parents) if anc is None else anc  # [batch, n, n]
     node_depth = anc.sum(-1)  # [batch, n]
     on = ~(anc & ~taken[:, None, :]).any(-1) & (node_depth <= depth)  # [batch, n]
     num_accepted = on.sum(1)
