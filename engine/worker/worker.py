@@ -263,14 +263,16 @@ class EngineWorker:
                 log.exception("engine step failed")
                 self._fail_step(in_step)
                 continue
-            for out in outputs:
-                self._send(out.request_id, out)
+            # Observers (the metrics) count the step before its outputs go out: a client that
+            # has its answer and then scrapes /metrics finds that answer counted.
             stats = self.stats() if self.observers else {}
             for observe in self.observers:
                 try:
                     observe(outputs, stats)
                 except Exception:  # an observer must never stop the engine
                     log.exception("step observer failed")
+            for out in outputs:
+                self._send(out.request_id, out)
 
     def _fail_step(self, known: list[str]) -> None:
         """After a failed step: fail every request the step held or took from the queue (its

@@ -241,6 +241,37 @@ def test_step_fault_fails_running_requests_and_worker_keeps_serving(models):
         w.shutdown()
 
 
+def test_observers_count_a_step_before_its_outputs_reach_the_requests(models):
+    """The metrics observe a step before its outputs are sent: a client that has its answer and
+    then scrapes /metrics finds every token of it counted (sent first, a scrape could race the
+    engine thread and miss the last step)."""
+    e = engine_for(models)
+    w = EngineWorker(e)
+    events: list[tuple[str, int]] = []
+    real_send = w._send
+
+    def send(rid, item):
+        events.append(("send", len(getattr(item, "new_token_ids", ()))))
+        real_send(rid, item)
+
+    w._send = send
+    w.observers.append(lambda outs, stats: events.append(("observe", len(outs))))
+    w.start()
+    try:
+        toks = run(collect(w, "o", [1, 2, 3], SamplingParams(temperature=0, max_tokens=12), 3))
+    finally:
+        w.shutdown()
+    assert len(toks) == 12
+    # each step reads ("observe", n) and then its n sends, never a send before its observation
+    i = steps = 0
+    while i < len(events):
+        kind, n = events[i]
+        assert kind == "observe", events[: i + 1]
+        assert [k for k, _ in events[i + 1 : i + 1 + n]] == ["send"] * n
+        i, steps = i + 1 + n, steps + 1
+    assert steps > 1 and sum(n for k, n in events if k == "send") == 12
+
+
 def test_chunked_prefill_is_exact_and_interleaves(models):
     """A long prompt prefilled 16 tokens a step while a short request keeps decoding; greedy
     output equals target-only greedy. (The draft model is the target's first 2 layers: the
