@@ -262,6 +262,11 @@ def target_runner(
     ``weights`` (default: the model's dense ones), with ``cfg.compile``'s fast path unless every
     forward is the batch-invariant one (deterministic "always")."""
     always = cfg.deterministic == "always"
+    pool = None  # "slots"
+    if cfg.kv_layout == "paged":  # the scheduler's budget (its default: every slot full), and
+        # the prefix cache's positions, which over a paged cache are the pool's free blocks
+        pool = cfg.kv_cache_tokens or cfg.max_running * cfg.max_model_len
+        pool += cfg.prefix_cache_tokens
     return ModelRunner(
         model,
         cfg.max_running,
@@ -270,6 +275,8 @@ def target_runner(
         weights=weights,
         compile=None if always else cfg.compile,
         k_max=cfg.drafter.k_max if cfg.drafter.method != "none" else 0,  # verifies of K + 1
+        pool_tokens=pool,
+        block_size=cfg.prefix_block_size,
     )
 
 

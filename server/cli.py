@@ -146,6 +146,7 @@ def _config(args):
         ("deterministic", "deterministic", str),
         ("prefix_cache_tokens", "prefix_cache_tokens", int),
         ("kv_cache_tokens", "kv_cache_tokens", int),
+        ("kv_layout", "kv_layout", str),
         ("threads", "threads", int),
     ):
         value = _env_or(args, name)
@@ -198,7 +199,8 @@ def cmd_serve(args) -> int:
     prefix = f"prefix cache {cache} positions" if cache else "prefix cache off"
     what = (
         f"{cfg.model.name} ({cfg.model.dtype}, {cfg.model.device}, drafter "
-        f"{cfg.drafter.method}, KV {load.kv_budget_tokens} positions, {prefix})"
+        f"{cfg.drafter.method}, KV {load.kv_budget_tokens} positions in {cfg.kv_layout}, "
+        f"{prefix})"
     )
     try:  # the engine loop in this, the main thread; HTTP in a thread
         server.run(announce=lambda url: print(f"specd: serving {what} on {url}/v1", flush=True))
@@ -349,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
                 help="KV positions the running sequences may hold in all; past it the latest "
                 "admitted is preempted and recomputed later (env SPECD_KV_CACHE_TOKENS; default: "
                 "max_running x max_model_len)",
+            )
+            p.add_argument(
+                "--kv-layout",
+                choices=["slots", "paged"],
+                help="the KV cache: a slot of max_model_len positions per sequence ('slots', "
+                "resident only where written on CPU) or one pool of blocks of kv_cache_tokens "
+                "positions with a block table per sequence ('paged') (env SPECD_KV_LAYOUT; "
+                "default slots)",
             )
             p.add_argument(
                 "--no-enable-prefix-caching",

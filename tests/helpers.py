@@ -84,6 +84,10 @@ def sharp_tiny(seed: int, vocab: int = 8, layers: int = 2):
     )
 
 
+KV_LAYOUT = "slots"  # engine_for's default layout of the target's KV cache
+PAGED_ENGINES: list[SpecEngine] = []  # the engines engine_for built over a paged cache
+
+
 def engine_for(
     models,
     drafter: str | None = "model",
@@ -104,6 +108,7 @@ def engine_for(
     kv_budget: int | None = None,
     bulk_slots: int | None = None,
     tree_topk: int = 0,
+    kv_layout: str | None = None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -116,7 +121,9 @@ def engine_for(
     positions the running sequences may hold (None: every slot its ``max_len``); ``bulk_slots``:
     what a request of many sequences holds beside a smaller one (None: no cap); ``tree_topk``:
     the EAGLE-3 head's trees expand EAGLE-2's way (drafter.tree_topk; leaves from the
-    controller given).
+    controller given); ``kv_layout``: the target's KV cache, ``"slots"`` or ``"paged"``
+    (default :data:`KV_LAYOUT`, which tests/engine/test_paged_kv.py sets to run other modules'
+    tests over a paged cache; the engines it built are listed in :data:`PAGED_ENGINES`).
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -159,12 +166,16 @@ def engine_for(
         prefix_cache_tokens=prefix_cache,
         kv_cache_tokens=kv_budget,
         bulk_slots=bulk_slots,
+        kv_layout=kv_layout or KV_LAYOUT,
     )
     taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
     runner = target_runner(cfg, target, taps)
     d = make_drafter(cfg, target, None, runner, draft=draft, head=head)
     rule = {} if accept is None else {"accept": accept}
-    return make_engine(cfg, runner, d, list(eos), controller=controller, **rule)
+    engine = make_engine(cfg, runner, d, list(eos), controller=controller, **rule)
+    if cfg.kv_layout == "paged":
+        PAGED_ENGINES.append(engine)
+    return engine
 
 
 def fed_prompt_tokens(engine) -> list[int]:

@@ -10,7 +10,8 @@ step: docs/measurements.md), so they are dropped (``skip_all_guards_unsafe``) an
 
 - the static dimensions: with dynamic shapes whether batch and q are 1 (torch specializes sizes
   1), else the (batch, q) bucket itself;
-- whether keys are read as a view (``first_slot``);
+- whether keys are read as a view (``first_slot``), and whether through a paged cache's block
+  tables (``read_idx``);
 - the group's weight structure: per layer and field, None, a dense tensor's shape and dtype, or
   a 4-bit matrix's (a layer whose 4-bit conversion failed keeps dense weights, so its group needs
   a graph of its own), and the group's length.
@@ -48,7 +49,7 @@ class GroupGraphs:
     ) -> GroupOut:
         B, q = h.shape[0], h.shape[1]
         dims = (B == 1, q == 1) if self.dynamic else (B, q)
-        key = (dims, at.first_slot is None, self._structure(ws))
+        key = (dims, at.first_slot is None, at.read_idx is None, self._structure(ws))
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = self._compile()
@@ -83,10 +84,14 @@ class GroupGraphs:
         import torch._dynamo as dynamo
 
         cos, sin, mask, slot_t, write_pos = at.cos, at.sin, at.mask, at.slot_t, at.write_pos
+        read_idx = at.read_idx  # [batch, kv_len] with a paged cache
         marks: list[tuple[torch.Tensor, int]] = [] if self.full_kv else [(mask, 3)]
+        if read_idx is not None and not self.full_kv:
+            marks.append((read_idx, 1))
         if self.dynamic:
             marks += [(h, 0), (h, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2), (mask, 0)]
             marks += [(mask, 2), (slot_t, 0), (write_pos, 0), (write_pos, 1)]
+            marks += [(read_idx, 0)] if read_idx is not None else []
         for t, d in marks:
             if t.shape[d] > 1:
                 dynamo.mark_dynamic(t, d)

@@ -78,7 +78,7 @@ def forward(
     pos_t, slot_t = torch.tensor(pos, device=dev), torch.tensor(slot, device=dev)
     cos, sin = runner.rotary(h[None], pos_t[None])  # [1, tokens, head_dim]
     cos, sin = cos[0, :, None], sin[0, :, None]  # [tokens, 1, head_dim]
-    groups = _length_groups(pos, runner.cache.k[0].shape[2], dev)
+    groups = _length_groups(pos, runner.cache.columns, dev)
     taps = []
     for i, w in enumerate(runner.weights):
         if i in runner.taps:
@@ -108,13 +108,14 @@ def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups) -> torch.Tensor:
         ks = tiled(lambda t: rms_norm(t, w.k_norm, sh.eps), ks)
     qs = qs * cos + rotate_half(qs) * sin
     ks = ks * cos + rotate_half(ks) * sin
-    kc, vc = runner.cache.k[i], runner.cache.v[i]  # [slots, kv_heads, max_len+1, head_dim]
-    kc[slot_t[:n], :, pos_t[:n]] = ks[:n]
-    vc[slot_t[:n], :, pos_t[:n]] = vs[:n]
+    cache = runner.cache
+    kc, vc = cache.k[i], cache.v[i]  # the layer's cache (slots, or a paged pool)
+    cache.scatter(kc, slot_t[:n], pos_t[:n], ks[:n])
+    cache.scatter(vc, slot_t[:n], pos_t[:n], vs[:n])
     o = torch.empty(h.shape[0], nh * hd, dtype=h.dtype, device=h.device)  # [tokens, heads*hd]
     for length, idx in groups:
-        k = kc[slot_t[idx], :, :length].float()  # [g, kv_heads, L, head_dim]
-        v = vc[slot_t[idx], :, :length].float()
+        k = cache.span(kc, slot_t[idx], length).float()  # [g, kv_heads, L, head_dim]
+        v = cache.span(vc, slot_t[idx], length).float()
         qg = qs[idx].float().view(len(idx), kvh, nh // kvh, hd)  # [g, kv_heads, group, hd]
         s = (qg @ k.transpose(-1, -2)) * hd**-0.5  # [g, kv_heads, group, L]
         past = torch.arange(length, device=h.device) > pos_t[idx][:, None]  # [g, L]

@@ -21,7 +21,8 @@ cached, not with the ``slots x max_len`` reserved; a freed slot's pages go back 
 (:func:`release`: on Linux they read as zeros after, resident again only when written). The OS's
 page table is the block table: each (layer, slot, KV head) is a contiguous run of positions, so
 attention reads keys as a view, no gather, and memory follows the tokens held (the scheduler
-bounds them: ``kv_cache_tokens``). On CUDA the slots are allocated whole.
+bounds them: ``kv_cache_tokens``). On CUDA the slots are allocated whole; ``kv_layout: paged``
+(engine/model/paged_kv.py) is the block-table cache for it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ class CacheFullError(RuntimeError):
 
 
 class SlotKVCache:
+    """A slot of ``max_len + 1`` positions per sequence, in every layer (the module's docstring).
+
+    The interface every KV cache of a runner keeps (:class:`~engine.model.paged_kv.PagedKVCache`
+    too): slots handed out and freed, committed lengths as host ints, :meth:`positions` of a
+    forward's queries (logical: position ``p`` of a slot), :meth:`reserve` before a forward writes
+    past a slot's committed length, and :meth:`scatter` / :meth:`gather` / :meth:`span` for the
+    code outside the decoder layer that reads or writes K/V by (slot, position)."""
+
+    paged = False  # the decoder layer reads keys by slot (views), not through a block table
+
     def __init__(
         self,
         num_layers: int,
@@ -156,6 +167,31 @@ class SlotKVCache:
         valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
         write_pos = torch.where(valid, pos, torch.full_like(pos, self.scratch_pos))
         return pos, write_pos
+
+    @property
+    def columns(self) -> int:
+        """Positions a row's keys may be read up to (``max_len`` and the scratch column)."""
+        return self.max_len + 1
+
+    def reserve(self, slot: int, upto: int) -> None:
+        """Room for positions ``[0, upto)`` of ``slot``: a slot always has it."""
+        if upto > self.max_len + 1:
+            raise ValueError(f"position {upto - 1} past the cache's max_len {self.max_len}")
+
+    def scatter(self, t: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, x: torch.Tensor):
+        """Write ``x`` ``[n, kv_heads, head_dim]`` at (``slots[i]``, ``pos[i]``) of layer tensor
+        ``t`` (one of :attr:`k` / :attr:`v`); slots, pos ``[n]`` long on the device."""
+        t[slots, :, pos] = x
+
+    def gather(self, t: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The K (or V) at (``slots[i]``, ``pos[i]``) of layer tensor ``t``:
+        ``[n, kv_heads, head_dim]``."""
+        return t[slots, :, pos]
+
+    def span(self, t: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+        """Positions ``[0, length)`` of each of ``slots`` ``[g]`` in layer tensor ``t``:
+        ``[g, kv_heads, length, head_dim]``."""
+        return t[slots, :, :length]
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Slot ``dst`` holds the first ``length`` positions of slot ``src`` (a shared prompt)."""

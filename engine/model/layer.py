@@ -224,11 +224,16 @@ class LayerInputs(NamedTuple):
     # additive (0 / -inf)
     mask: torch.Tensor
     slot_t: torch.Tensor  # [batch] each row's slot
-    write_pos: torch.Tensor  # [batch, q] the cache column each query token's K/V is written to
+    # [batch, q] the cache column each query token's K/V is written to (a paged cache: the
+    # pool position)
+    write_pos: torch.Tensor
     # keys are read as a view of slots first_slot .. when the rows are consecutive slots from
     # there; None: gathered by slot_t
     first_slot: int | None
     shape: LayerShape
+    # a paged cache (engine/model/paged_kv.py): [batch, kv_len] the pool position of each row's
+    # keys, which are gathered through it; None: the slot cache
+    read_idx: torch.Tensor | None = None
 
 
 Group = tuple[LayerWeights, ...]  # the weights of consecutive layers
@@ -262,8 +267,9 @@ def decoder_layer(
     attention's input (default ``rms_norm(h)``; the EAGLE-3 head's layer attends over
     [normed token embedding, normed feature] ``[batch, q, 2 hidden]``,
     engine/drafters/eagle/head.py); kc/vc this layer's cache ``[slots, kv_heads, max_len+1,
-    head_dim]``, written in place at ``at.write_pos``. Returns h ``[batch, q, hidden]``."""
-    cos, sin, mask, slot_t, write_pos, first_slot, shape = at
+    head_dim]`` (paged: ``[pool positions, kv_heads, head_dim]``, ``at.read_idx`` set), written
+    in place at ``at.write_pos``. Returns h ``[batch, q, hidden]``."""
+    cos, sin, mask, slot_t, write_pos, first_slot, shape, read_idx = at
     B, q, _ = h.shape
     nh, kvh, hd = shape.num_heads, shape.kv_heads, shape.head_dim
     kv_len = mask.shape[-1]
@@ -275,13 +281,19 @@ def decoder_layer(
     qk = qk.view(B, q, nh + kvh, hd).transpose(1, 2)
     qk = qk * cos + rotate_half(qk) * sin  # [batch, heads + kv_heads, q, head_dim]
     qs, ks = qk[:, :nh], qk[:, nh:]  # [batch, heads | kv_heads, q, head_dim]
-    kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # rows of [batch, q, kv_heads, head_dim]
-    vc[slot_t[:, None], :, write_pos] = vs
-    if first_slot is not None:  # views: [batch, kv_heads, kv_len, head_dim]
-        keys = kc[first_slot : first_slot + B, :, :kv_len]
-        vals = vc[first_slot : first_slot + B, :, :kv_len]
+    if read_idx is not None:  # paged: kc/vc [pool positions, kv_heads, head_dim]
+        kc[write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
+        vc[write_pos] = vs
+        # [batch, kv_heads, kv_len, head_dim]: gathered, then a transposed view
+        keys, vals = kc[read_idx].transpose(1, 2), vc[read_idx].transpose(1, 2)
     else:
-        keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
+        kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
+        vc[slot_t[:, None], :, write_pos] = vs
+        if first_slot is not None:  # views: [batch, kv_heads, kv_len, head_dim]
+            keys = kc[first_slot : first_slot + B, :, :kv_len]
+            vals = vc[first_slot : first_slot + B, :, :kv_len]
+        else:
+            keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
     if groups_queries(shape, qs):
         o = grouped_sdpa(qs, keys, vals, mask, hd**-0.5)
     else:

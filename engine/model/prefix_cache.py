@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from engine.model.blocks import ROOT, BlockPool, block_hash, extend_hashes
-from engine.model.kv_cache import SlotKVCache, zeros
+from engine.model.kv_cache import zeros
+from engine.model.paged_kv import KVCache
 
 INVARIANT_ROOT = block_hash(ROOT, [-1])  # the root of blocks computed batch-invariantly
 
@@ -35,11 +36,14 @@ INVARIANT_ROOT = block_hash(ROOT, [-1])  # the root of blocks computed batch-inv
 class PrefixCache:
     """A pool of ``num_blocks`` blocks of ``block_size`` positions beside ``cache``."""
 
-    def __init__(self, cache: SlotKVCache, num_blocks: int, block_size: int = 16):
+    def __init__(self, cache: KVCache, num_blocks: int, block_size: int = 16):
         self.cache, self.block_size = cache, block_size
         self.pool = BlockPool(num_blocks, block_size)
-        k0 = cache.k[0]  # [slots, kv_heads, max_len + 1, head_dim]
-        shape = (num_blocks, k0.shape[1], block_size, k0.shape[3])
+        k0 = cache.k[
+            0
+        ]  # [slots, kv_heads, max_len + 1, head_dim]; paged [pool, kv_heads, head_dim]
+        kv_heads, head_dim = k0.shape[-2] if cache.paged else k0.shape[1], k0.shape[-1]
+        shape = (num_blocks, kv_heads, block_size, head_dim)
         # per layer: [blocks, kv_heads, block_size, head_dim]
         self.k = [zeros(shape, k0.dtype, k0.device) for _ in cache.k]
         self.v = [zeros(shape, k0.dtype, k0.device) for _ in cache.v]
@@ -61,12 +65,16 @@ class PrefixCache:
             return 0
         self.pool.hold(hit)
         self.pool.release(hit[::-1])  # used now: evicted last, its tail before its head
-        n = len(hit) * bs
-        ids = torch.tensor(hit, device=self.k[0].device)
-        for pool, slots in zip(self.k + self.v, self.cache.k + self.cache.v):
+        n, dev = len(hit) * bs, self.k[0].device
+        ids = torch.tensor(hit, device=dev)
+        cache = self.cache
+        cache.reserve(slot, n)
+        slot_t, pos = torch.full((n,), slot, device=dev), torch.arange(n, device=dev)  # [n]
+        for pool, layer in zip(self.k + self.v, cache.k + cache.v):
             blocks = pool[ids]  # [hit, kv_heads, bs, head_dim]
-            slots[slot, :, :n] = blocks.transpose(0, 1).reshape(blocks.shape[1], n, -1)
-        self.cache.commit(slot, n)
+            rows = blocks.transpose(1, 2).reshape(n, blocks.shape[1], -1)  # [n, kv_heads, head_dim]
+            cache.scatter(layer, slot_t, pos, rows)
+        cache.commit(slot, n)
         self.hits += n
         return n
 
@@ -89,9 +97,10 @@ class PrefixCache:
         dev = self.k[0].device
         ids = torch.tensor([b for b, _, _ in taken], device=dev)
         pos = torch.tensor([i * bs + j for _, i, _ in taken for j in range(bs)], device=dev)
-        for pool, slots in zip(self.k + self.v, self.cache.k + self.cache.v):
-            rows = slots[slot][:, pos]  # [kv_heads, taken * bs, head_dim]
-            pool[ids] = rows.view(rows.shape[0], len(taken), bs, -1).transpose(0, 1)
+        slot_t = torch.full_like(pos, slot)
+        for pool, layer in zip(self.k + self.v, self.cache.k + self.cache.v):
+            rows = self.cache.gather(layer, slot_t, pos)  # [taken * bs, kv_heads, head_dim]
+            pool[ids] = rows.view(len(taken), bs, *rows.shape[1:]).transpose(1, 2)
         for b, _, h in taken:
             self.pool.cache(b, h)
         self.pool.release([b for b, _, _ in taken][::-1])

@@ -33,6 +33,7 @@ from engine.model.layer import (
     layer_group,
     varying_shape_attention,
 )
+from engine.model.paged_kv import KVCache, PagedKVCache, pool_blocks
 from engine.model.q4_matmul import Q4Weight, q4_linear
 from engine.model.tree_attention import Tree, tree_inputs
 from engine.model.weights import LayerWeights, ModelWeights, dense_weights
@@ -74,7 +75,11 @@ class ModelRunner:
       first N of them, so a self-draft shares the target's;
     - ``compile``: the fast path of small forwards (compiled or graph-captured,
       engine/model/fast_path.py), built for drafts of up to ``k_max`` tokens; None: eager.
-      A fast path that fails is dropped, with a warning, and the runner runs eagerly after.
+      A fast path that fails is dropped, with a warning, and the runner runs eagerly after;
+    - ``pool_tokens``: the cache is paged (engine/model/paged_kv.py), a pool of blocks for this
+      many positions (the scheduler's budget and the prefix cache's) in blocks of
+      ``block_size``; None: a slot of ``max_len`` positions per sequence
+      (engine/model/kv_cache.py).
 
     Per forward: ``invariant`` runs the batch-invariant forward of deterministic mode
     (engine/model/invariant.py)."""
@@ -91,6 +96,8 @@ class ModelRunner:
         weights: ModelWeights | None = None,
         compile: CompileConfig | None = None,
         k_max: int = 0,
+        pool_tokens: int | None = None,
+        block_size: int = 16,
     ):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -120,15 +127,15 @@ class ModelRunner:
         self.head: Q4Weight | None = weights.head
         self.taps = tuple(taps)
         self.max_len = max_len if max_positions is None else min(max_len, max_positions)
-        self.cache = SlotKVCache(
-            len(layers),
-            num_slots,
-            self.shape.kv_heads,
-            self.shape.head_dim,
-            self.max_len,
-            self.dtype,
-            self.device,
-        )
+        geometry = (len(layers), num_slots, self.shape.kv_heads, self.shape.head_dim)
+        self.cache: KVCache
+        if pool_tokens is None:
+            self.cache = SlotKVCache(*geometry, self.max_len, self.dtype, self.device)
+        else:
+            blocks = pool_blocks(pool_tokens, num_slots, block_size)
+            self.cache = PagedKVCache(
+                *geometry, self.max_len, self.dtype, self.device, blocks, block_size
+            )
         self._fast: FastForward | None = None
         if compile is not None and compile.enabled:
             self._fast = make_fast(self, compile, k_max)
@@ -199,6 +206,7 @@ class ModelRunner:
             if tree is not None:
                 raise ValueError("the batch-invariant forward verifies chains, not trees")
             starts = self._starts(slots)
+            self._reserve(slots, starts, counts)
             return Forward(*batch_invariant.forward(self, ids, slots, starts, counts, logits))
         h, tapped = self._stack(ids, slots, counts, tree)  # [batch, q, hidden]
         if logits == "last":
@@ -214,6 +222,7 @@ class ModelRunner:
         ids, counts = self._ids(tokens, None)
         if invariant:
             starts = self._starts(slots)
+            self._reserve(slots, starts, counts)
             return Hidden(*batch_invariant.forward(self, ids, slots, starts, counts, "hidden"))
         return Hidden(*self._stack(ids, slots, counts))
 
@@ -233,6 +242,12 @@ class ModelRunner:
     def _starts(self, slots: list[int]) -> list[int]:
         return [self.cache.lengths[s] for s in slots]
 
+    def _reserve(self, slots: list[int], starts: list[int], counts: list[int]) -> None:
+        """Room in each row's slot for the positions this forward writes (a paged cache takes
+        blocks as a sequence grows)."""
+        for s, st, n in zip(slots, starts, counts):
+            self.cache.reserve(s, st + n)
+
     def _stack(
         self, ids: torch.Tensor, slots: list[int], counts: list[int], tree: Tree | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -242,6 +257,7 @@ class ModelRunner:
         kv_len = max(s + n for s, n in zip(starts, counts))
         if kv_len > self.cache.max_len:
             raise ValueError("forward past the cache's max_len")
+        self._reserve(slots, starts, counts)
         if self._fast is not None and not self._eager_only:
             try:  # None when the shape is outside the buckets
                 out = self._fast.run(ids, slots, starts, counts, tree)
@@ -267,11 +283,11 @@ class ModelRunner:
         written to the scratch column, their output dropped), as the fast path runs slots
         ``[0, bucket)``. Gathering the rows' keys instead copies every row's cache in every layer,
         a large share of a decode step at large batches (docs/measurements.md). Spans over twice
-        the batch gather, and so do trees."""
+        the batch gather, and so do trees and a paged cache (whose keys are always gathered)."""
         cache, dev, B = self.cache, self.device, len(slots)
         first, span = min(slots), max(slots) - min(slots) + 1
         consecutive = slots == list(range(first, first + B))
-        if consecutive or span > 2 * B or tree is not None:
+        if consecutive or span > 2 * B or tree is not None or cache.paged:
             pos, write_pos = cache.positions(starts, counts, ids.shape[1])
             pos_t, mask = to_device(pos, None, dev), None
             if tree is not None:
@@ -343,8 +359,14 @@ class ModelRunner:
         default: by position, ``kv_pos <= pos``. Returns the
         final-normed hidden states ``[batch, q, hidden]`` and the inputs of the layers in
         ``taps`` ``[batch, q, len(taps) * hidden]`` (None without taps); K/V of every query token
-        written in place."""
+        written in place. A paged cache's positions are translated here, once a forward, to
+        the pool's (``read_idx``: each row's keys; a captured graph records the translation)."""
         cache, tapped = self.cache, []
+        read_idx = None
+        if isinstance(cache, PagedKVCache):
+            rows = slot_t[:, None]  # [batch, 1]
+            read_idx = cache.physical(rows, kv_idx[None, :])  # [batch, kv_len]
+            write_pos = cache.physical(rows, write_pos)  # [batch, q]
         h = self.embed(ids)  # [batch, q, hidden]
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
@@ -359,7 +381,7 @@ class ModelRunner:
         n = len(self.weights)
         size = group_size or n
         run = layer_group if group_fn is None else group_fn
-        at = LayerInputs(cos, sin, mask, slot_t, write_pos, first_slot, self.shape)
+        at = LayerInputs(cos, sin, mask, slot_t, write_pos, first_slot, self.shape, read_idx)
         for g0 in range(0, n, size):
             g = slice(g0, g0 + size)
             ws, kcs, vcs = tuple(self.weights[g]), tuple(cache.k[g]), tuple(cache.v[g])

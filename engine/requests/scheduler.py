@@ -47,7 +47,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.model.kv_cache import SlotKVCache
+from engine.model.paged_kv import KVCache
+from engine.model.paged_prefix import PagedPrefixCache
 from engine.model.prefix_cache import PrefixCache
 from engine.requests.sequence import Sequence, Status
 
@@ -82,14 +83,14 @@ class PrefillChunk:
 class Scheduler:
     def __init__(
         self,
-        cache: SlotKVCache,
+        cache: KVCache,
         max_len: int,
         eos_token_ids: tuple[int, ...],
         max_prefill_per_step: int = 4,
         prefill_chunk_tokens: int = 512,
         max_slots_per_group: int | None = None,
         on_release: Callable[[Sequence], None] | None = None,
-        prefix: PrefixCache | None = None,
+        prefix: PrefixCache | PagedPrefixCache | None = None,
         invariant: Callable[[Sequence], bool] = lambda s: False,
         kv_budget: int | None = None,
         lookahead: int = 1,

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from engine.drafters.base import Alternatives
-from engine.model.kv_cache import SlotKVCache
+from engine.model.paged_kv import KVCache
 from engine.model.tree_attention import Tree
 from engine.requests.sequence import Sequence
 from engine.round.tree import ancestors
@@ -132,7 +132,7 @@ def settle(
     num_acc: torch.Tensor,  # [batch] long
     probs: torch.Tensor,  # [batch, n + 1, vocab] the target's at the root and after each node
     tapped: torch.Tensor | None,  # [batch, n + 1, features]
-    cache: SlotKVCache,
+    cache: KVCache,
     slots: list[int],
     starts: list[int],  # each row's root position (its verify's first)
     want_probs: bool = True,  # False: nothing reads the emitted positions' probabilities

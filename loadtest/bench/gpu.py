@@ -95,8 +95,14 @@ class Bench:
             lens += [300 + a.tree_max_n, a.prefix_tokens + 64]
         max_len = max(lens) + K_MAX + 32  # (more key-length buckets to capture only when asked)
         self.batches = batches
+        pool = max(batches) * max_len if a.kv_layout == "paged" else None
         self.target = ModelRunner(
-            self.tmodel, max(batches), max_len, compile=self.fast("target"), k_max=K_MAX
+            self.tmodel,
+            max(batches),
+            max_len,
+            compile=self.fast("target"),
+            k_max=K_MAX,
+            pool_tokens=pool,
         )
         draft = ModelRunner(
             dmodel, max(batches), max_len, name="draft", compile=self.fast("draft"), k_max=K_MAX
@@ -224,6 +230,7 @@ class Bench:
         ctx = min(self.a.context, t.max_len - K_MAX - 2)
         for cache in (t.cache, d.cache):
             cache.allocate(0)
+            cache.reserve(0, ctx)
             cache.commit(0, ctx)
         try:
             tok = torch.tensor([42], device=dev)

@@ -128,6 +128,7 @@ def parse_args(argv, doc: str):
         ("layers-per-graph", 8, "layers a fused group compiles"),
         ("tree-max-n", 16, "section 6: verify sizes 1..N"),
         ("prefix-tokens", 2000, "section 6: the cached prompt's tokens"),
+        ("kv-layout", "slots", "the target's KV cache: slots, or paged (block tables)"),
     ):  # fmt: skip
         ap.add_argument(f"--{name}", default=default, type=type(default), help=doc or None)
     ap.add_argument("--no-eagle", dest="eagle", action="store_false")

@@ -90,6 +90,7 @@ def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
         slots = list(range(rows))
         for s in slots:
             target.cache.allocate(s)
+            target.cache.reserve(s, 300)  # (a paged cache's blocks; a slot has the room)
             target.cache.commit(s, 300)
         for n in range(1, max_n + 1):
             ids = torch.randint(0, min(1000, target.vocab_size), (rows, n), device=target.device)

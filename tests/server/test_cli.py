@@ -178,3 +178,16 @@ def test_threads_flag_and_its_environment(monkeypatch):
     assert cli._config(parse([])).threads == 3
     with pytest.raises(SystemExit, match="threads"):
         cli._config(parse(["--threads", "0"]))
+
+
+def test_kv_layout_flag_and_its_environment(monkeypatch):
+    """--kv-layout (and SPECD_KV_LAYOUT) choose the target's KV cache: slots by default, or the
+    paged pool (engine/model/paged_kv.py); another name is refused at start-up."""
+    monkeypatch.delenv("SPECD_KV_LAYOUT", raising=False)
+    assert cli._config(parse([])).kv_layout == "slots"
+    assert cli._config(parse(["--kv-layout", "paged"])).kv_layout == "paged"
+    monkeypatch.setenv("SPECD_KV_LAYOUT", "paged")
+    assert cli._config(parse([])).kv_layout == "paged"
+    monkeypatch.setenv("SPECD_KV_LAYOUT", "pages")
+    with pytest.raises(SystemExit, match="kv_layout"):
+        cli._config(parse([]))

@@ -1,0 +1,77 @@
+"""Automatic prefix caching over the paged KV cache: blocks shared, never copied.
+
+The slot cache keeps cached prefixes in a pool of its own and copies them into a slot on a hit
+(engine/model/prefix_cache.py). Over the paged cache (engine/model/paged_kv.py) a sequence's full
+blocks are themselves the cache, as in vLLM: once a block is full and committed it is keyed by
+the chained hash of its tokens (engine/model/blocks.py); when its sequence ends the block stays
+in the pool's free queue with its K/V and its hash, and a new prompt that starts with the same
+tokens puts that very block in its table (held again, nothing copied) and prefills only the
+rest. The pool evicts a cached block only when it needs a free one, least recently freed first.
+The last prompt token is always computed: its logits start the output.
+
+Invariants: a hashed block holds exactly the K/V the target computed for its tokens after its
+prefix (only committed full blocks are hashed, and they are never written again); the hash
+root is salted by how the K/V were computed (deterministic mode's batch-invariant forwards:
+engine/model/invariant.py), so a hit gives such a sequence bit-identical K/V to a recompute.
+The interface is :class:`~engine.model.prefix_cache.PrefixCache`'s (the scheduler calls both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.model.blocks import ROOT, extend_hashes
+from engine.model.paged_kv import PagedKVCache
+from engine.model.prefix_cache import INVARIANT_ROOT
+
+
+class PagedPrefixCache:
+    """Prefix caching in ``cache``'s own blocks."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache, self.block_size = cache, cache.block_size
+        self.pool = cache.pool
+        self.known: dict[int, list[bytes]] = {}  # slot -> hashes of its full committed blocks
+        self.queries = self.hits = 0  # prompt tokens looked up, and found cached
+
+    @property
+    def tokens(self) -> int:
+        """Positions a cached prefix may occupy: the pool's (cached blocks are its free ones)."""
+        return self.pool.num_blocks * self.block_size
+
+    def restore(self, slot: int, prompt: Sequence[int], invariant: bool = False) -> int:
+        """Put the blocks of the longest cached prefix of ``prompt`` (whole blocks, leaving its
+        last token to compute) in the freshly allocated ``slot``'s table and commit them.
+        Returns its length."""
+        hashes, hit = self.pool.cached_prefix(prompt, INVARIANT_ROOT if invariant else ROOT)
+        self.queries += len(prompt)
+        self.known[slot] = hashes[: len(hit)]
+        if not hit:
+            return 0
+        self.pool.hold(hit)
+        self.cache.append(slot, hit)
+        n = len(hit) * self.block_size
+        self.cache.commit(slot, n)
+        self.hits += n
+        return n
+
+    def store(self, slot: int, tokens: Sequence[int] | np.ndarray, invariant: bool = False) -> None:
+        """``tokens`` are the first positions ``slot`` has committed: its blocks that became full
+        are cached under their hashes (where another block holds a hash already, two sequences
+        computed the same prefix at once, and that one stays the cached one)."""
+        known = self.known.setdefault(slot, [])
+        first = len(known)
+        root = INVARIANT_ROOT if invariant else ROOT
+        table = self.cache.tables[slot]
+        for i, h in enumerate(extend_hashes(known, tokens, self.block_size, root), first):
+            self.pool.cache(table[i], h)
+
+    def forget(self, slot: int) -> None:
+        """``slot`` was freed: its cached blocks stay cached."""
+        self.known.pop(slot, None)
+
+    def copy_known(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds ``src``'s first ``length`` positions (a choice sharing a prompt)."""
+        self.known[dst] = list(self.known.get(src, [])[: length // self.block_size])
