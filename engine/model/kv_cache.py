@@ -86,40 +86,48 @@ class CacheFullError(RuntimeError):
     pass
 
 
-class SlotKVCache:
-    """A slot of ``max_len + 1`` positions per sequence, in every layer (the module's docstring).
+def query_positions(
+    starts: list[int], counts: list[int], q: int, scratch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host-built index tensors ``[batch, q]`` (no device sync) for rows feeding ``counts[b]``
+    tokens at ``starts[b]``: the position of every query token, and where its K/V is written
+    (padding past a row's count goes to the scratch column ``scratch``)."""
+    pos = torch.tensor(
+        [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
+    )  # [batch, q]
+    valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
+    return pos, torch.where(valid, pos, torch.full_like(pos, scratch))
 
-    The interface every KV cache of a runner keeps (:class:`~engine.model.paged_kv.PagedKVCache`
-    too): slots handed out and freed, committed lengths as host ints, :meth:`positions` of a
-    forward's queries (logical: position ``p`` of a slot), :meth:`reserve` before a forward writes
-    past a slot's committed length, and :meth:`scatter` / :meth:`gather` / :meth:`span` for the
-    code outside the decoder layer that reads or writes K/V by (slot, position)."""
 
-    paged = False  # the decoder layer reads keys by slot (views), not through a block table
+class Slots:
+    """What every KV cache of a runner keeps, whatever its layout: ``num_slots`` sequences of up
+    to ``max_len`` positions, handed out and freed, their committed lengths as host ints (never a
+    device sync), and the positions of a forward's queries (logical: position ``p`` of a slot).
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
+    A layout adds its tensors (``k``, ``v``: one per layer), :meth:`free`, :meth:`reserve` (before
+    a forward writes past a slot's committed length), :meth:`scatter` / :meth:`gather` /
+    :meth:`span` (for the code outside the decoder layer that reads or writes K/V by slot and
+    position), :meth:`copy` and :meth:`move`: :class:`SlotKVCache` and
+    :class:`~engine.model.paged_kv.PagedKVCache`."""
+
+    paged = False  # whether the decoder layer reads keys through block tables (else by slot)
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int):
         self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
-        shape = (num_slots, kv_heads, max_len + 1, head_dim)
-        # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
-        # uninitialised memory may hold NaN (0 * NaN = NaN).
-        # per layer: [slots, kv_heads, max_len+1, head_dim]
-        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
         self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
 
     @property
     def scratch_pos(self) -> int:
+        """The column padded queries write to (past every position a sequence reaches)."""
         return self.max_len
+
+    @property
+    def columns(self) -> int:
+        """Positions a row's keys may be read up to (``max_len`` and the scratch column)."""
+        return self.max_len + 1
 
     @property
     def bytes(self) -> int:
@@ -142,12 +150,8 @@ class SlotKVCache:
         self.lengths[slot] = 0
         return slot
 
-    def free(self, slot: int) -> None:
-        """Hand the slot back; on Linux CPU its pages go back to the kernel (:func:`release`)."""
-        if slot in self._free:
-            return
-        for t in self.k + self.v:
-            release(t[slot])  # [kv_heads, max_len + 1, head_dim], contiguous
+    def _hand_back(self, slot: int) -> None:
+        """``slot`` is free again (its layout freed what it held)."""
         self.lengths[slot] = 0
         self._free.append(slot)
         self._free.sort(reverse=True)
@@ -158,20 +162,50 @@ class SlotKVCache:
     def positions(
         self, starts: list[int], counts: list[int], q: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host-built index tensors ``[batch, q]`` (no device sync) for rows feeding ``counts[b]``
-        tokens at ``starts[b]``: the position of every query token, and where its K/V is written
-        (padding past a row's count goes to the scratch column)."""
-        pos = torch.tensor(
-            [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
-        )  # [batch, q]
-        valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
-        write_pos = torch.where(valid, pos, torch.full_like(pos, self.scratch_pos))
-        return pos, write_pos
+        """:func:`query_positions` of a forward's rows."""
+        return query_positions(starts, counts, q, self.scratch_pos)
 
-    @property
-    def columns(self) -> int:
-        """Positions a row's keys may be read up to (``max_len`` and the scratch column)."""
-        return self.max_len + 1
+    def rollback(self, slot: int, length: int) -> None:
+        """Forget every position >= ``length`` (they stay in memory but are never read again)."""
+        if length > self.lengths[slot]:
+            raise ValueError(f"rollback to {length} past committed length {self.lengths[slot]}")
+        self.lengths[slot] = length
+
+    def commit(self, slot: int, length: int) -> None:
+        if length > self.max_len:
+            raise ValueError(f"length {length} exceeds the cache's max_len {self.max_len}")
+        self.lengths[slot] = length
+
+
+class SlotKVCache(Slots):
+    """A slot of ``max_len + 1`` positions per sequence, in every layer (the module's docstring);
+    keys are read as views of the slots."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__(num_layers, num_slots, max_len)
+        shape = (num_slots, kv_heads, max_len + 1, head_dim)
+        # zeros, not empty: masked-out positions are still multiplied by 0 in attention, and
+        # uninitialised memory may hold NaN (0 * NaN = NaN).
+        # per layer: [slots, kv_heads, max_len+1, head_dim]
+        self.k = [zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [zeros(shape, dtype, device) for _ in range(num_layers)]
+
+    def free(self, slot: int) -> None:
+        """Hand the slot back; on Linux CPU its pages go back to the kernel (:func:`release`)."""
+        if slot in self._free:
+            return
+        for t in self.k + self.v:
+            release(t[slot])  # [kv_heads, max_len + 1, head_dim], contiguous
+        self._hand_back(slot)
 
     def reserve(self, slot: int, upto: int) -> None:
         """Room for positions ``[0, upto)`` of ``slot``: a slot always has it."""
@@ -207,14 +241,3 @@ class SlotKVCache:
         rows = slot_t[:, None]  # [batch, 1]
         for t in self.k + self.v:
             t[rows, :, dst] = t[rows, :, src]  # [batch, n, kv_heads, head_dim]
-
-    def rollback(self, slot: int, length: int) -> None:
-        """Forget every position >= ``length`` (they stay in memory but are never read again)."""
-        if length > self.lengths[slot]:
-            raise ValueError(f"rollback to {length} past committed length {self.lengths[slot]}")
-        self.lengths[slot] = length
-
-    def commit(self, slot: int, length: int) -> None:
-        if length > self.max_len:
-            raise ValueError(f"length {length} exceeds the cache's max_len {self.max_len}")
-        self.lengths[slot] = length

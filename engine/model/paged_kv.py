@@ -42,13 +42,13 @@ from __future__ import annotations
 import torch
 
 from engine.model.blocks import BlockPool
-from engine.model.kv_cache import CacheFullError, SlotKVCache, zeros
+from engine.model.kv_cache import SlotKVCache, Slots, zeros
 from engine.transfer import to_device
 
 
-class PagedKVCache:
+class PagedKVCache(Slots):
     """``num_blocks`` blocks of ``block_size`` positions shared by ``num_slots`` slots of up to
-    ``max_len`` positions each. The interface of :class:`~engine.model.kv_cache.SlotKVCache`."""
+    ``max_len`` positions each; keys are gathered through the block tables."""
 
     paged = True
 
@@ -66,7 +66,7 @@ class PagedKVCache:
     ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a paged cache needs at least one block of at least one position")
-        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
+        super().__init__(num_layers, num_slots, max_len)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = torch.device(device)
         # table columns: every position < max_len, then one column for the scratch position
@@ -83,48 +83,21 @@ class PagedKVCache:
             (num_slots, self.table_cols), num_blocks, dtype=torch.long, device=device
         )
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]  # host copy of table_t
-        self.lengths = [0] * num_slots  # committed tokens per slot (host ints)
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
         # the blocks' ref counts, their free queue (least recently freed first) and the hashes
         # of the full ones the prefix cache keeps (engine/model/paged_prefix.py)
         self.pool = BlockPool(num_blocks, block_size)
         self.peak_blocks = 0  # the most blocks held at once
 
-    # -- sizes ------------------------------------------------------------------------------------
+    # -- blocks ------------------------------------------------------------------------------------
     @property
     def scratch_pos(self) -> int:
         """The logical column padded queries write to: its table column is the last, always the
         scratch block."""
         return (self.table_cols - 1) * self.block_size
 
-    @property
-    def columns(self) -> int:
-        return self.max_len + 1
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def blocks_held(self) -> int:
         """Blocks some sequence holds (the rest are free, cached ones among them)."""
         return self.num_blocks - self.pool.num_free()
-
-    # -- slots ------------------------------------------------------------------------------------
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def free_slots(self) -> list[int]:
-        return list(self._free)
-
-    def allocate(self, slot: int | None = None) -> int:
-        if slot is None:
-            if not self._free:
-                raise CacheFullError("no free KV cache slot")
-            slot = self._free.pop()
-        else:
-            self._free.remove(slot)
-        self.lengths[slot] = 0
-        return slot
 
     def free(self, slot: int) -> None:
         """Hand the slot back and release its blocks, last first (the tail is evicted before
@@ -136,16 +109,11 @@ class PagedKVCache:
             self.pool.release(blocks[::-1])
             self.table_t[slot, : len(blocks)] = self.scratch_block
             self.tables[slot] = []
-        self.lengths[slot] = 0
-        self._free.append(slot)
-        self._free.sort(reverse=True)
-
-    def used_tokens(self) -> int:
-        return sum(self.lengths)
+        self._hand_back(slot)
 
     def reserve(self, slot: int, upto: int) -> None:
         """Blocks for positions ``[0, upto)`` of ``slot``, taken from the pool as it grows (a
-        cached free block is evicted, least recently freed first); :class:`PoolExhaustedError`
+        cached free block is evicted, least recently freed first); ``PoolExhaustedError``
         (nothing taken) when the pool lacks them (the pool is sized so that it never does:
         :func:`pool_blocks`)."""
         if upto > self.max_len + 1:
@@ -162,34 +130,15 @@ class PagedKVCache:
         have += blocks
         self.peak_blocks = max(self.peak_blocks, self.blocks_held())
 
-    def rollback(self, slot: int, length: int) -> None:
-        """Forget every position >= ``length``; its blocks stay the slot's for the next write."""
-        if length > self.lengths[slot]:
-            raise ValueError(f"rollback to {length} past committed length {self.lengths[slot]}")
-        self.lengths[slot] = length
-
     def commit(self, slot: int, length: int) -> None:
-        if length > self.max_len:
-            raise ValueError(f"length {length} exceeds the cache's max_len {self.max_len}")
         if length > len(self.tables[slot]) * self.block_size:
             raise ValueError(f"commit of {length} positions past the blocks of slot {slot}")
-        self.lengths[slot] = length
+        super().commit(slot, length)
 
     # -- positions --------------------------------------------------------------------------------
-    def positions(
-        self, starts: list[int], counts: list[int], q: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`SlotKVCache.positions` (logical positions; the forward translates them)."""
-        pos = torch.tensor(
-            [[s + min(j, max(n, 1) - 1) for j in range(q)] for s, n in zip(starts, counts)]
-        )  # [batch, q]
-        valid = torch.tensor([[j < n for j in range(q)] for n in counts])  # [batch, q]
-        write_pos = torch.where(valid, pos, torch.full_like(pos, self.scratch_pos))
-        return pos, write_pos
-
-    def physical(self, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def physical(self, slots: torch.Tensor | int, pos: torch.Tensor) -> torch.Tensor:
         """The pool positions of logical positions ``pos`` of ``slots`` (broadcast together, e.g.
-        ``[batch, 1]`` and ``[batch, q]``), on the device."""
+        ``[batch, 1]`` and ``[batch, q]``; or one slot's number), on the device."""
         bs = self.block_size
         return self.table_t[slots, pos // bs] * bs + pos % bs
 
@@ -215,8 +164,7 @@ class PagedKVCache:
         if length > full * bs:
             self.reserve(dst, length)
             cols = torch.arange(full * bs, length, device=self.device)
-            s = self.physical(torch.tensor(src, device=self.device), cols)  # [length % bs]
-            d = self.physical(torch.tensor(dst, device=self.device), cols)
+            s, d = self.physical(src, cols), self.physical(dst, cols)  # [length % bs]
             for t in self.k + self.v:
                 t[d] = t[s]
         self.lengths[dst] = length

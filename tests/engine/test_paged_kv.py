@@ -34,7 +34,9 @@ from tests.engine.test_lossless import (  # noqa: F401 -- the fixtures its tests
     head,
     prompts,
     reference,
-    test_eagle_trees_are_lossless_and_both_caches_follow_the_path,
+)
+from tests.engine.test_lossless import (
+    test_eagle_trees_are_lossless_and_both_caches_follow_the_path as eagle_trees_follow_the_path,
 )
 from tests.engine.test_preemption import (  # noqa: F401
     test_a_storm_of_preemptions_and_aborts_leaks_nothing,
@@ -42,16 +44,14 @@ from tests.engine.test_preemption import (  # noqa: F401
 )
 from tests.engine.test_prefix_caching import (  # noqa: F401
     GREEDY,
-    user_turn,
     test_a_conversation_served_from_the_cache_decodes_as_without_it,
     test_choices_of_a_cached_prompt_share_its_prefill,
     test_deterministic_hits_are_bit_identical_to_a_recompute,
+    user_turn,
 )
 from tests.engine.worker.test_worker import test_concurrent_equals_alone  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("single_thread", "paged")
-# the real model's test keeps its module's mark here too (`-m "not real_model"` deselects it)
-pytest.mark.real_model(test_eagle_trees_are_lossless_and_both_caches_follow_the_path)
 
 
 @pytest.fixture
@@ -73,6 +73,17 @@ def paged(monkeypatch, request):
     for e, c in zip(built, caches):
         if not e.has_work() and not any(c.lengths):
             assert c.blocks_held() == 0, f"{c.blocks_held()} blocks held by no sequence"
+
+
+@pytest.mark.real_model
+def test_expanded_eagle_trees_over_the_real_model_move_the_paged_path(
+    real_fp32, monkeypatch, request
+):
+    """tests/engine/test_lossless.py's trees test, EAGLE-2's expansion (paths through nodes
+    below a runner-up, deep and at the root), over the paged cache: after every round the
+    target's cache equals a fresh prefill, and greedy output is the reference's."""
+    fixtures = [request.getfixturevalue(name) for name in ("prompts", "reference", "head")]
+    eagle_trees_follow_the_path(real_fp32, *fixtures, monkeypatch, topk=4)
 
 
 def cache(blocks=6, slots=3, max_len=40, bs=4) -> PagedKVCache:
