@@ -84,9 +84,10 @@ class SpecEngine:
                 f"{target.taps}: build the runner with taps=drafter.taps"
             )
         prefix: PrefixCache | PagedPrefixCache | None = None
-        if isinstance(target.cache, PagedKVCache):  # the pool's own blocks, shared
-            prefix = PagedPrefixCache(target.cache) if prefix_cache_tokens else None
-        elif blocks := prefix_cache_tokens // prefix_block_size:  # a pool beside the slots
+        if isinstance(target.cache, PagedKVCache) and prefix_cache_tokens:  # in its own blocks
+            prefix = PagedPrefixCache(target.cache, prefix_cache_tokens)
+        elif not target.cache.paged and (blocks := prefix_cache_tokens // prefix_block_size):
+            # a pool of copies beside the slots
             prefix = PrefixCache(target.cache, blocks, prefix_block_size)
         self.scheduler = Scheduler(
             target.cache,

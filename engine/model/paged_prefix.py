@@ -28,18 +28,14 @@ from engine.model.prefix_cache import INVARIANT_ROOT
 
 
 class PagedPrefixCache:
-    """Prefix caching in ``cache``'s own blocks."""
+    """Prefix caching in ``cache``'s own blocks; ``tokens``: the positions its pool was given
+    for it beyond the running sequences' budget (reported as the cache's size)."""
 
-    def __init__(self, cache: PagedKVCache):
-        self.cache, self.block_size = cache, cache.block_size
+    def __init__(self, cache: PagedKVCache, tokens: int):
+        self.cache, self.block_size, self.tokens = cache, cache.block_size, tokens
         self.pool = cache.pool
         self.known: dict[int, list[bytes]] = {}  # slot -> hashes of its full committed blocks
         self.queries = self.hits = 0  # prompt tokens looked up, and found cached
-
-    @property
-    def tokens(self) -> int:
-        """Positions a cached prefix may occupy: the pool's (cached blocks are its free ones)."""
-        return self.pool.num_blocks * self.block_size
 
     def restore(self, slot: int, prompt: Sequence[int], invariant: bool = False) -> int:
         """Put the blocks of the longest cached prefix of ``prompt`` (whole blocks, leaving its

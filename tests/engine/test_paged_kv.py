@@ -149,7 +149,7 @@ def test_a_cached_prefix_is_the_same_blocks_until_the_pool_needs_them():
     the same holds those very blocks (their K/V, nothing copied) and computes the rest; once the
     pool needs them for new positions they are evicted, least recently freed first."""
     c = cache(blocks=8)
-    p = PagedPrefixCache(c)
+    p = PagedPrefixCache(c, 16)
     a = c.allocate()
     tokens = list(range(1, 12))  # 11 tokens: two full blocks of 4
     c.reserve(a, 11)
