@@ -26,6 +26,7 @@ import torch
 from engine.drafters.base import Drafter
 from engine.drafters.guard import GuardedDrafter
 from engine.kcontrol.controller import AdaptiveK, FixedK, KController
+from engine.model.kv_cache import SlotKVCache
 from engine.model.paged_kv import PagedKVCache
 from engine.model.paged_prefix import PagedPrefixCache
 from engine.model.prefix_cache import PrefixCache
@@ -86,7 +87,9 @@ class SpecEngine:
         prefix: PrefixCache | PagedPrefixCache | None = None
         if isinstance(target.cache, PagedKVCache) and prefix_cache_tokens:  # in its own blocks
             prefix = PagedPrefixCache(target.cache, prefix_cache_tokens)
-        elif not target.cache.paged and (blocks := prefix_cache_tokens // prefix_block_size):
+        elif isinstance(target.cache, SlotKVCache) and (
+            blocks := prefix_cache_tokens // prefix_block_size
+        ):
             # a pool of copies beside the slots
             prefix = PrefixCache(target.cache, blocks, prefix_block_size)
         self.scheduler = Scheduler(

@@ -22,31 +22,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.model.blocks import ROOT, extend_hashes
 from engine.model.paged_kv import PagedKVCache
-from engine.model.prefix_cache import INVARIANT_ROOT
+from engine.model.prefix_cache import CachedPrefixes
 
 
-class PagedPrefixCache:
+class PagedPrefixCache(CachedPrefixes):
     """Prefix caching in ``cache``'s own blocks; ``tokens``: the positions its pool was given
     for it beyond the running sequences' budget (reported as the cache's size)."""
 
     def __init__(self, cache: PagedKVCache, tokens: int):
-        self.cache, self.block_size, self.tokens = cache, cache.block_size, tokens
-        self.pool = cache.pool
-        self.known: dict[int, list[bytes]] = {}  # slot -> hashes of its full committed blocks
-        self.queries = self.hits = 0  # prompt tokens looked up, and found cached
+        super().__init__(cache.pool, cache.block_size)
+        self.cache, self.tokens = cache, tokens
 
     def restore(self, slot: int, prompt: Sequence[int], invariant: bool = False) -> int:
         """Put the blocks of the longest cached prefix of ``prompt`` (whole blocks, leaving its
         last token to compute) in the freshly allocated ``slot``'s table and commit them.
         Returns its length."""
-        hashes, hit = self.pool.cached_prefix(prompt, INVARIANT_ROOT if invariant else ROOT)
-        self.queries += len(prompt)
-        self.known[slot] = hashes[: len(hit)]
+        hit = self._lookup(slot, prompt, invariant)
         if not hit:
             return 0
-        self.pool.hold(hit)
         self.cache.append(slot, hit)
         n = len(hit) * self.block_size
         self.cache.commit(slot, n)
@@ -57,17 +51,6 @@ class PagedPrefixCache:
         """``tokens`` are the first positions ``slot`` has committed: its blocks that became full
         are cached under their hashes (where another block holds a hash already, two sequences
         computed the same prefix at once, and that one stays the cached one)."""
-        known = self.known.setdefault(slot, [])
-        first = len(known)
-        root = INVARIANT_ROOT if invariant else ROOT
         table = self.cache.tables[slot]
-        for i, h in enumerate(extend_hashes(known, tokens, self.block_size, root), first):
+        for i, h in self._new_full_blocks(slot, tokens, invariant):
             self.pool.cache(table[i], h)
-
-    def forget(self, slot: int) -> None:
-        """``slot`` was freed: its cached blocks stay cached."""
-        self.known.pop(slot, None)
-
-    def copy_known(self, src: int, dst: int, length: int) -> None:
-        """``dst`` holds ``src``'s first ``length`` positions (a choice sharing a prompt)."""
-        self.known[dst] = list(self.known.get(src, [])[: length // self.block_size])

@@ -27,28 +27,60 @@ import numpy as np
 import torch
 
 from engine.model.blocks import ROOT, BlockPool, block_hash, extend_hashes
-from engine.model.kv_cache import zeros
-from engine.model.paged_kv import KVCache
+from engine.model.kv_cache import SlotKVCache, zeros
 
 INVARIANT_ROOT = block_hash(ROOT, [-1])  # the root of blocks computed batch-invariantly
 
 
-class PrefixCache:
+class CachedPrefixes:
+    """What both prefix caches keep about the sequences (this one over slots, and
+    engine/model/paged_prefix.py's in the paged cache's own blocks): each slot's hashes of its
+    full committed blocks, the longest cached prefix of a prompt, and the counters."""
+
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool, self.block_size = pool, block_size
+        self.known: dict[int, list[bytes]] = {}  # slot -> hashes of its full committed blocks
+        self.queries = self.hits = 0  # prompt tokens looked up, and found cached
+
+    def _lookup(self, slot: int, prompt: Sequence[int], invariant: bool) -> list[int]:
+        """The blocks of the longest cached prefix of ``prompt`` (whole blocks, leaving its last
+        token to compute), held once more; ``slot`` now knows their hashes."""
+        hashes, hit = self.pool.cached_prefix(prompt, INVARIANT_ROOT if invariant else ROOT)
+        self.queries += len(prompt)
+        self.known[slot] = hashes[: len(hit)]
+        self.pool.hold(hit)
+        return hit
+
+    def _new_full_blocks(
+        self, slot: int, tokens: Sequence[int] | np.ndarray, invariant: bool
+    ) -> list[tuple[int, bytes]]:
+        """(index in the slot, hash) of the blocks of ``slot`` that ``tokens`` (its committed
+        positions) made full since it last said."""
+        known = self.known.setdefault(slot, [])
+        first = len(known)
+        new = extend_hashes(known, tokens, self.block_size, INVARIANT_ROOT if invariant else ROOT)
+        return list(enumerate(new, first))
+
+    def forget(self, slot: int) -> None:
+        """``slot`` was freed: what it stored stays cached."""
+        self.known.pop(slot, None)
+
+    def copy_known(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds ``src``'s first ``length`` positions (a choice sharing a prompt)."""
+        self.known[dst] = list(self.known.get(src, [])[: length // self.block_size])
+
+
+class PrefixCache(CachedPrefixes):
     """A pool of ``num_blocks`` blocks of ``block_size`` positions beside ``cache``."""
 
-    def __init__(self, cache: KVCache, num_blocks: int, block_size: int = 16):
-        self.cache, self.block_size = cache, block_size
-        self.pool = BlockPool(num_blocks, block_size)
-        k0 = cache.k[
-            0
-        ]  # [slots, kv_heads, max_len + 1, head_dim]; paged [pool, kv_heads, head_dim]
-        kv_heads, head_dim = k0.shape[-2] if cache.paged else k0.shape[1], k0.shape[-1]
-        shape = (num_blocks, kv_heads, block_size, head_dim)
+    def __init__(self, cache: SlotKVCache, num_blocks: int, block_size: int = 16):
+        super().__init__(BlockPool(num_blocks, block_size), block_size)
+        self.cache = cache
+        k0 = cache.k[0]  # [slots, kv_heads, max_len + 1, head_dim]
+        shape = (num_blocks, k0.shape[1], block_size, k0.shape[3])
         # per layer: [blocks, kv_heads, block_size, head_dim]
         self.k = [zeros(shape, k0.dtype, k0.device) for _ in cache.k]
         self.v = [zeros(shape, k0.dtype, k0.device) for _ in cache.v]
-        self.known: dict[int, list[bytes]] = {}  # slot -> hashes of its full committed blocks
-        self.queries = self.hits = 0  # prompt tokens looked up, and restored from the pool
 
     @property
     def tokens(self) -> int:
@@ -57,18 +89,13 @@ class PrefixCache:
     def restore(self, slot: int, prompt: Sequence[int], invariant: bool = False) -> int:
         """Copy the longest cached prefix of ``prompt`` (whole blocks, leaving its last token to
         compute) into the freshly allocated ``slot`` and commit it. Returns its length."""
-        bs = self.block_size
-        hashes, hit = self.pool.cached_prefix(prompt, INVARIANT_ROOT if invariant else ROOT)
-        self.queries += len(prompt)
-        self.known[slot] = hashes[: len(hit)]
+        hit = self._lookup(slot, prompt, invariant)
         if not hit:
             return 0
-        self.pool.hold(hit)
         self.pool.release(hit[::-1])  # used now: evicted last, its tail before its head
-        n, dev = len(hit) * bs, self.k[0].device
+        n, dev = len(hit) * self.block_size, self.k[0].device
         ids = torch.tensor(hit, device=dev)
         cache = self.cache
-        cache.reserve(slot, n)
         slot_t, pos = torch.full((n,), slot, device=dev), torch.arange(n, device=dev)  # [n]
         for pool, layer in zip(self.k + self.v, cache.k + cache.v):
             blocks = pool[ids]  # [hit, kv_heads, bs, head_dim]
@@ -81,11 +108,9 @@ class PrefixCache:
     def store(self, slot: int, tokens: Sequence[int] | np.ndarray, invariant: bool = False) -> None:
         """``tokens`` are the first positions ``slot`` has committed: cache its full blocks that
         are not cached yet (a block another sequence cached is only marked used)."""
-        bs, known = self.block_size, self.known.setdefault(slot, [])
-        first = len(known)
-        new = extend_hashes(known, tokens, bs, INVARIANT_ROOT if invariant else ROOT)
+        bs = self.block_size
         taken: list[tuple[int, int, bytes]] = []  # (pool block, the slot's block index, hash)
-        for i, parent in enumerate(new, first):
+        for i, parent in self._new_full_blocks(slot, tokens, invariant):
             cached = self.pool.lookup([parent])
             if cached:
                 self.pool.hold(cached)
@@ -104,11 +129,3 @@ class PrefixCache:
         for b, _, h in taken:
             self.pool.cache(b, h)
         self.pool.release([b for b, _, _ in taken][::-1])
-
-    def forget(self, slot: int) -> None:
-        """``slot`` was freed: what it stored stays cached."""
-        self.known.pop(slot, None)
-
-    def copy_known(self, src: int, dst: int, length: int) -> None:
-        """``dst`` holds ``src``'s first ``length`` positions (a choice sharing a prompt)."""
-        self.known[dst] = list(self.known.get(src, [])[: length // self.block_size])
