@@ -94,9 +94,13 @@ def draws(engine, prompt, n=4000, max_tokens=6, k=4, **sampling) -> list[list[in
     return [s.output_ids for s in seqs]
 
 
-def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed: int):
+def call(
+    d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed: int, masked=False
+):
     """``fn`` (eager or compiled head) on random inputs of this shape, rows in slots 0.. at
-    positions ``kv_len - q ..``; returns its outputs and the K written (cache restored)."""
+    positions ``kv_len - q ..``; returns its outputs and the K written (cache restored).
+    ``masked`` (q = 1): a tree step's call, each row seeing a random half of the keys and its
+    own."""
     g = torch.Generator().manual_seed(seed)
     width = d.head.fc.in_features if ingest else d.head.config.hidden_size
     x = torch.randn(rows, q, width, generator=g)
@@ -107,7 +111,11 @@ def call(d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed
     x, ids, pos, last, slots = (t.to(d.device) for t in (x, ids, pos, last, slots))
     k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
     kv = d.kv_idx[: kv_len + (-kv_len) % 16]
-    step = HeadStep(ids, x, last, pos, pos, kv, slots, ingest)
+    mask = None
+    if masked:  # [rows, 1, 1, kv]
+        mask = (torch.rand(rows, 1, 1, kv.shape[0], generator=g) < 0.5).to(d.device)
+        mask[..., kv_len - 1] = True
+    step = HeadStep(ids, x, last, pos, pos, kv, slots, ingest, mask)
     o, logits = fn(step, d.weights, d.cache.k[0], d.cache.v[0], d.shape)
     written = d.cache.k[0][:rows, :, kv_len - q : kv_len].clone()
     d.cache.k[0].copy_(k0)

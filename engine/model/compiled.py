@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.group_graphs import GroupGraphs
-from engine.model.tree_attention import Tree, tree_inputs
+from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ class FastForward:
         self.cuda_graphs = cfg.mode == "reduce-overhead"
         self.dynamic = (not self.cuda_graphs) if cfg.dynamic is None else cfg.dynamic
         self.full_kv = self.cuda_graphs  # static key length: the whole cache
+        self.takes_trees = not self.full_kv
         import torch._dynamo as dynamo
         import torch._inductor.config as inductor_config
 
@@ -148,7 +149,7 @@ class FastForward:
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens
         (``tree``: draft trees, tree_attention.Tree; the graphs take its mask as they take the
-        causal one; not under CUDA graphs); returns their final-normed hidden states
+        causal one; not under inductor's CUDA-graph trees); returns their final-normed hidden states
         ``[batch, q, hidden]`` and tapped inputs ``[batch, q, taps * hidden]``, or None when
         the shape is outside the buckets."""
         runner, dev = self.runner, self.runner.device
@@ -165,33 +166,26 @@ class FastForward:
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
         kv_len = self._kv_len(max(st + n for st, n in zip(starts, counts)))
-        mask = None
+        starts_t, tree_b = torch.tensor(row_start), None  # [nb] host
         if tree is not None:
-            if self.full_kv:  # CUDA graphs record the causal mask: trees run eagerly there
+            if not self.takes_trees:  # inductor's CUDA-graph trees record the causal mask
                 return None
-            pos, mask = self._tree_rows(tree, slot_t, row_start, nb, qb, q, kv_len)
-        h, tapped = self._call(ids_b, pos, write_pos, kv_len, mask)
+            tree_b = self._tree_rows(tree, slot_t, nb, qb, q)
+            starts_t = to_device(starts_t, None, dev)
+            pos = starts_t[:, None] + tree_b.depth  # [nb, qb] on the device: start + depth
+        h, tapped = self._call(ids_b, pos, write_pos, kv_len, tree_b, starts_t)
         # the rows of this forward's slots
         return h[slot_t, :q], (tapped[slot_t, :q] if tapped is not None else None)
 
-    def _tree_rows(
-        self,
-        tree: Tree,
-        slot_t: torch.Tensor,
-        row_start: list[int],
-        nb: int,
-        qb: int,
-        q: int,
-        kv_len: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tree_rows(self, tree: Tree, slot_t: torch.Tensor, nb: int, qb: int, q: int) -> Tree:
         """The rows' tree laid out over slots ``[0, nb)`` and ``qb`` queries (padding rows and
-        queries see only themselves): positions ``[nb, qb]`` and the mask."""
+        queries see only themselves, at depth 0)."""
         dev = self.runner.device
         depth = torch.zeros(nb, qb, dtype=torch.long, device=dev)
         depth[slot_t, :q] = tree.depth
         visible = torch.eye(qb, dtype=torch.bool, device=dev).repeat(nb, 1, 1)  # [nb, qb, qb]
         visible[slot_t, :q, :q] = tree.visible
-        return tree_inputs(Tree(depth, visible), to_device(row_start, torch.long, dev), kv_len)
+        return Tree(depth, visible)
 
     def _kv_len(self, kv_len: int) -> int:
         cache = self.runner.cache
@@ -206,15 +200,22 @@ class FastForward:
         pos: torch.Tensor,
         write_pos: torch.Tensor,
         kv_len: int,
-        mask: torch.Tensor | None = None,
+        tree: Tree | None = None,
+        starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and the
-        host tensors pos, write_pos ``[nb, qb]``, keys read up to ``kv_len``; returns
-        final-normed hidden states ``[nb, qb, hidden]`` and the tapped inputs."""
+        """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and
+        pos, write_pos ``[nb, qb]`` (host tensors; a tree's pos on the device), keys read up to
+        ``kv_len``; ``tree`` (over the ``nb`` rows) and the rows' ``starts`` ``[nb]``: the
+        queries attend as the tree says, else causally. Returns final-normed hidden states
+        ``[nb, qb, hidden]`` and the tapped inputs."""
         dev = self.runner.device
         nb = ids.shape[0]
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
+        mask = None
+        if tree is not None:
+            assert starts is not None
+            mask = tree_mask(tree, to_device(starts, None, dev), kv_len)
         self.calls += 1
         return self.runner.layers_forward(
             ids,

@@ -12,7 +12,10 @@ power-of-two bucket (``kv_align``, twice that, ... up to the whole cache): atten
 more than twice the keys it needs, whatever ``max_model_len``. Each (batch, q, key length)
 bucket is a graph, captured at start-up before the server reports ready: quickly for the eager
 stack; with ``compile.fuse`` after inductor compiles a graph per key (whether batch and q are 1),
-which for a large model takes far longer than the captures (docs/measurements.md).
+which for a large model takes far longer than the captures (docs/measurements.md). A verify's
+graph (q > 1) builds its mask from each row's start and which of its queries each query sees
+(static inputs), so one graph verifies a chain (the lower triangle) or a draft tree (its
+ancestors, at positions start + depth): trees replay the same graphs as chains.
 
 Invariants:
 
@@ -44,6 +47,7 @@ import torch
 from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward, bucket
 from engine.model.group_graphs import GuardedGroups
+from engine.model.tree_attention import Tree, visible_mask
 from engine.transfer import copy_into
 
 if TYPE_CHECKING:
@@ -66,6 +70,12 @@ class Captured:
     out: torch.Tensor  # [nb, qb, hidden]: final-normed hidden states
     tapped: torch.Tensor | None  # [nb, qb, taps * hidden]
     replay: Callable[[], None]
+    # qb > 1 (a verify, a chain's or a tree's): the mask is recorded from each row's start and
+    # which of the row's queries each query sees (tree_attention.visible_mask); None at qb = 1
+    starts: torch.Tensor | None = None  # [nb] long
+    visible: torch.Tensor | None = None  # [nb, qb, qb] bool
+    chain: torch.Tensor | None = None  # [nb, qb, qb] lower-triangular: a chain's (constant)
+    holds_tree: bool = False  # visible holds a tree's, not the chain's
 
 
 class GraphForward(FastForward):
@@ -73,6 +83,7 @@ class GraphForward(FastForward):
 
     def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
+        self.takes_trees = True  # a verify's graph records its mask from static inputs
         self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
         self.captured: dict[tuple[int, int, int], Captured] = {}
         self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
@@ -86,12 +97,13 @@ class GraphForward(FastForward):
         pos: torch.Tensor,
         write_pos: torch.Tensor,
         kv_len: int,
-        mask: torch.Tensor | None = None,
+        tree: Tree | None = None,
+        starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`FastForward._call` (``kv_len`` a key-length bucket): fill the bucket's
-        static inputs, replay its graph (captured on first use), return its static outputs.
-        The graphs record the causal mask: a tree's (``mask``) never comes here (run())."""
-        assert mask is None, "trees verify eagerly under CUDA graphs"
+        static inputs, replay its graph (captured on first use), return its static outputs. A
+        verify's graph (q > 1) sees by its static ``visible``: the chain's lower triangle, or
+        the tree's, whose positions (start + depth) come in ``pos``."""
         nb, qb = ids.shape
         key = (nb, qb, kv_len)
         g = self.captured.get(key)
@@ -100,6 +112,14 @@ class GraphForward(FastForward):
         g.ids.copy_(ids)
         copy_into(g.pos, pos)
         copy_into(g.write_pos, write_pos)
+        if g.visible is not None:
+            assert starts is not None and g.starts is not None and g.chain is not None
+            copy_into(g.starts, starts)
+            if tree is not None or g.holds_tree:
+                g.visible.copy_(tree.visible if tree is not None else g.chain)
+                g.holds_tree = tree is not None
+        else:
+            assert tree is None, "a tree has more than one query"
         g.replay()
         self.calls += 1
         return g.out, g.tapped
@@ -144,16 +164,28 @@ class GraphForward(FastForward):
         pos, write_pos = pos.to(dev), write_pos.to(dev)
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
+        starts = visible = chain = None
+        if qb > 1:  # recorded at start 0 seeing the chain's triangle (the scratch positions')
+            starts = torch.zeros(nb, dtype=torch.long, device=dev)
+            chain = torch.ones(qb, qb, dtype=torch.bool, device=dev).tril().repeat(nb, 1, 1)
+            visible = chain.clone()
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             groups = self.groups
             size = self.cfg.layers_per_graph if groups is not None else None
-            return runner.layers_forward(ids, pos, write_pos, rows, kv_idx, 0, groups, size)
+            mask = (
+                None if visible is None or starts is None else visible_mask(visible, starts, kv_len)
+            )
+            return runner.layers_forward(
+                ids, pos, write_pos, rows, kv_idx, 0, groups, size, mask=mask
+            )
 
         (out, tapped), replay = record_on(dev, forward, self.pool)
         self.captures += 1
         log.info("captured %s forward batch=%d q=%d keys=%d", runner.name, nb, qb, kv_len)
-        return Captured(ids, pos, write_pos, rows, kv_idx, out, tapped, replay)
+        return Captured(
+            ids, pos, write_pos, rows, kv_idx, out, tapped, replay, starts, visible, chain
+        )
 
 
 def record(fn: Callable[[], T], pool=None) -> tuple[T, Callable[[], None]]:

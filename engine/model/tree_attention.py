@@ -21,11 +21,17 @@ class Tree(NamedTuple):
 def tree_mask(tree: Tree, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
     """``[batch, 1, q, kv_len]`` bool: query j of row b sees key column c when c is in the
     committed prefix (c < start_b) or holds a query of the row that j sees."""
-    q = tree.depth.shape[1]
+    return visible_mask(tree.visible, starts, kv_len)
+
+
+def visible_mask(visible: torch.Tensor, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """:func:`tree_mask` from ``visible`` ``[batch, q, q]`` alone (what a captured graph records:
+    a chain is the tree whose ``visible`` is lower-triangular)."""
+    q = visible.shape[1]
     rel = torch.arange(kv_len, device=starts.device)[None, :] - starts[:, None]  # [batch, kv_len]
     in_tree = (rel >= 0) & (rel < q)
     cols = rel.clamp(0, q - 1)[:, None, :].expand(-1, q, -1)  # [batch, q, kv_len]
-    sees = tree.visible.gather(2, cols) & in_tree[:, None, :]
+    sees = visible.gather(2, cols) & in_tree[:, None, :]
     return (sees | (rel < 0)[:, None, :]).unsqueeze(1)
 
 

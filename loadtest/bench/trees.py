@@ -85,7 +85,7 @@ def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
     """Median time of a target verify of N tokens a row, as a chain and as a tree, batch 1 and
     ``batch``: on the compiled path (N padded to its q buckets, as served) and eager (N itself)."""
     target = engine.target
-    out = []
+    fast, out = target.fast, []
     for rows in (1, batch):
         slots = list(range(rows))
         for s in slots:
@@ -116,6 +116,8 @@ def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
                             ms = 1e3 * time_call(call, target.device, repeats=15, warmup=3)
                     else:
                         ms = 1e3 * time_call(call, target.device, repeats=15, warmup=3)
+                        if target.fast is not fast:  # dropped after a failure: eager from then on
+                            raise RuntimeError(f"the fast path failed on the {name} verify")
                     row[f"{name}_{path}_ms"] = ms
             out.append(row)
         for s in slots:

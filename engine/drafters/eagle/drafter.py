@@ -227,8 +227,9 @@ class EagleDrafter(DrafterBase):
             self.forward = HeadGraphs(backend)
         else:  # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
             c = self.cache
+            extras = self.branch - 1 if self.branch else 0  # expand.py's E
             self.forward = HeadCapture(
-                c.scratch_pos, c.num_slots, capture_kv_align, c.max_len, 2 * WINDOW
+                c.scratch_pos, c.num_slots, capture_kv_align, c.max_len, 2 * WINDOW, extras
             )
 
     def warm_up(self) -> None:

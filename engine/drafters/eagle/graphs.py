@@ -5,8 +5,11 @@ engine/model/fast_path.fast_mode): one chained draft step of a head shaped for a
 dozens of kernel launches, which take far longer than reading its weights
 (docs/measurements.md). :class:`HeadCapture` is callable as
 :func:`~engine.drafters.eagle.step.head_forward` and replays one recorded graph per key
-(rows bucket, q bucket, key-length bucket, ingest or chain); a call outside the buckets (a
-prompt's ingest at admission, longer than the largest q bucket) runs the eager function.
+(rows bucket, q bucket, key-length bucket, ingest or chain, masked); a call outside the buckets
+(a prompt's ingest at admission, longer than the largest q bucket) runs the eager function.
+A draft tree's step (expand.py: the chain rows and the tree rows' extras in one call, each
+seeing its committed prefix and its own ancestors) brings its mask: its graphs read it from a
+static buffer, with rows buckets up to every slot's row and its extras.
 
 Invariants:
 
@@ -19,7 +22,10 @@ Invariants:
   more keys but attends to the same ones.
 - Weights, caches, the layer shape and the dtype are those of the first call, fixed for the
   drafter's life (a graph reads memory by address).
-- The graphs of one (rows, q, ingest) shape share their static inputs, whatever their key length.
+- The graphs of one (rows, q, ingest, masked) shape share their static inputs, whatever their key
+  length (a masked graph reads the first key-length columns of its shape's mask buffer).
+- A masked call fills its rows' mask whole (False past its own key length); padding rows see
+  every key, so no row's softmax is over no key at all.
 - The head's graphs share a memory pool of their own, so a replay may overwrite any of the head's
   graphs' outputs, never the target's or the draft model's: a call returns copies.
 - Attention as in the eager head on CUDA: SDPA without cuDNN, query heads grouped by KV head
@@ -61,28 +67,46 @@ class _Graph:
     out: torch.Tensor  # [nb, hidden] the layer's output at ``last``
     logits: torch.Tensor  # [nb, draft_vocab] float32
     replay: object
+    mask: torch.Tensor | None = None  # [nb, 1, 1, kv] bool: a tree step's (masked keys only)
 
 
 class HeadCapture:
     """Callable as ``head_forward``; records a key's graph on its first call (or at
     :meth:`capture_all`, the drafter's warm-up)."""
 
-    def __init__(self, scratch_pos: int, slots: int, kv_align: int, max_len: int, q_max: int):
+    def __init__(
+        self,
+        scratch_pos: int,
+        slots: int,
+        kv_align: int,
+        max_len: int,
+        q_max: int,
+        extras: int = 0,
+    ):
+        """``extras``: a tree row's extras a step (expand.py's E; 0: the drafter grows no
+        trees, no masked graphs)."""
         self.scratch_pos = scratch_pos
         self.row_buckets = default_buckets(slots)
+        # a tree step's rows: each slot's chain row and its extras
+        self.masked_buckets = default_buckets(slots * (1 + extras)) if extras else []
         self.q_buckets = default_buckets(q_max)  # an ingest's q; a chained step has q = 1
         self.kv_buckets = kv_buckets(kv_align, max_len + 1)
-        self.graphs: dict[tuple[int, int, int, bool], _Graph] = {}
-        self.inputs: dict[tuple[int, int, bool], tuple[torch.Tensor, ...]] = {}  # (nb, qb, ingest)
+        self.graphs: dict[tuple[int, int, int, bool, bool], _Graph] = {}
+        # (nb, qb, ingest, masked) -> static inputs
+        self.inputs: dict[tuple[int, int, bool, bool], tuple[torch.Tensor, ...]] = {}
         self.pool: Any = None  # the head's own memory pool, made at the first capture on CUDA
         self.captures = self.calls = self.eager_calls = 0
         self.eager = False  # a capture at warm-up failed: every call runs the eager function
 
-    def key(self, rows: int, q: int, kv_len: int, ingest: bool):
-        """(rows bucket, q bucket, key-length bucket, ingest), or None: the call runs eagerly."""
-        nb, kv = bucket(self.row_buckets, rows), bucket(self.kv_buckets, kv_len)
+    def key(self, rows: int, q: int, kv_len: int, ingest: bool, masked: bool = False):
+        """(rows bucket, q bucket, key-length bucket, ingest, masked), or None: the call runs
+        eagerly."""
+        nb = bucket(self.masked_buckets if masked else self.row_buckets, rows)
+        kv = bucket(self.kv_buckets, kv_len)
         qb = bucket(self.q_buckets, q) if ingest else (1 if q == 1 else None)
-        return None if nb is None or qb is None or kv is None else (nb, qb, kv, ingest)
+        if nb is None or qb is None or kv is None or (masked and ingest):
+            return None
+        return (nb, qb, kv, ingest, masked)
 
     def __call__(
         self, step: HeadStep, w: HeadWeights, kc: torch.Tensor, vc: torch.Tensor, shape: LayerShape
@@ -91,8 +115,8 @@ class HeadCapture:
         ``[rows, draft_vocab]``."""
         ids, x, last, pos, write_pos, kv_idx, slot_t, ingest, mask = step
         rows, q = ids.shape
-        # a draft tree's masked steps run eagerly (not captured)
-        key = None if self.eager or mask is not None else self.key(rows, q, kv_idx.shape[0], ingest)
+        kv_len, masked = kv_idx.shape[0], mask is not None
+        key = None if self.eager else self.key(rows, q, kv_len, ingest, masked)
         if key is None:
             self.eager_calls += 1
             return head_forward(step, w, kc, vc, shape)
@@ -106,6 +130,11 @@ class HeadCapture:
         g.pos[:rows, :q].copy_(pos)
         g.write_pos[:rows, :q].copy_(write_pos)
         g.slot_t[:rows].copy_(slot_t)
+        if g.mask is not None:
+            assert mask is not None
+            g.mask[rows:].fill_(True)
+            g.mask[:rows, ..., kv_len:].fill_(False)
+            g.mask[:rows, ..., :kv_len].copy_(mask)
         g.replay()  # type: ignore[operator]
         self.calls += 1
         return g.out[:rows].clone(), g.logits[:rows].clone()
@@ -118,13 +147,19 @@ class HeadCapture:
         t0 = time.perf_counter()
         try:
             with torch.inference_mode():
-                for nb in self.row_buckets:
-                    for kv in self.kv_buckets:
-                        for qb, ingest in [(q, True) for q in self.q_buckets] + [(1, False)]:
-                            key = (nb, qb, kv, ingest)
-                            if key not in self.graphs:
-                                width = widths[0] if ingest else widths[1]
-                                self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
+                keys = [
+                    (nb, qb, kv, ingest, False)
+                    for nb in self.row_buckets
+                    for kv in self.kv_buckets
+                    for qb, ingest in [(q, True) for q in self.q_buckets] + [(1, False)]
+                ]
+                keys += [
+                    (nb, 1, kv, False, True) for nb in self.masked_buckets for kv in self.kv_buckets
+                ]
+                for key in keys:
+                    if key not in self.graphs:
+                        width = widths[0] if key[3] else widths[1]
+                        self.graphs[key] = self._capture(key, width, w, kc, vc, shape)
         except Exception as e:  # noqa: BLE001 -- drafting goes on, eagerly
             self.eager, self.graphs, self.inputs = True, {}, {}
             warn_fallback(log, "capturing the EAGLE-3 head", e, "it runs eagerly")
@@ -136,25 +171,28 @@ class HeadCapture:
         )
 
     def _capture(self, key, width: int, w: HeadWeights, kc, vc, shape: LayerShape) -> _Graph:
-        nb, qb, kv, ingest = key
+        nb, qb, kv, ingest, masked = key
         dev = kc.device
-        ins = self.inputs.get((nb, qb, ingest))
+        ins = self.inputs.get((nb, qb, ingest, masked))
         if ins is None:  # one set of static inputs serves every key-length bucket of a shape
             longs = lambda *s: torch.zeros(*s, dtype=torch.long, device=dev)  # noqa: E731
             x = torch.zeros(nb, qb, width, dtype=kc.dtype, device=dev)  # the head's dtype
-            ins = self.inputs[(nb, qb, ingest)] = (
+            whole = self.kv_buckets[-1]
+            ins = self.inputs[(nb, qb, ingest, masked)] = (
                 longs(nb, qb),
                 x,
                 longs(nb),
                 longs(nb, qb),
                 longs(nb, qb),
                 longs(nb),
+                torch.ones(nb, 1, qb, whole if masked else 0, dtype=torch.bool, device=dev),
             )
-        ids, x, last, pos, write_pos, slot_t = ins
+        ids, x, last, pos, write_pos, slot_t, masks = ins
         write_pos.fill_(self.scratch_pos)  # the runs before the recording write the scratch column
         kv_idx = torch.arange(kv, device=dev)
 
-        step = HeadStep(ids, x, last, pos, write_pos, kv_idx, slot_t, ingest)
+        mask = masks[..., :kv] if masked else None  # [nb, 1, 1, kv]: the shape's buffer's
+        step = HeadStep(ids, x, last, pos, write_pos, kv_idx, slot_t, ingest, mask)
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             return head_forward(step, w, kc, vc, shape)
@@ -163,4 +201,4 @@ class HeadCapture:
             self.pool = torch.cuda.graph_pool_handle()
         (out, logits), replay = record_on(dev, forward, self.pool)
         self.captures += 1
-        return _Graph(ids, x, last, pos, write_pos, slot_t, kv_idx, out, logits, replay)
+        return _Graph(ids, x, last, pos, write_pos, slot_t, kv_idx, out, logits, replay, mask)

@@ -1,8 +1,9 @@
 """A draft tree verified in one target forward (engine/model/tree_attention.py): every node's
-logits equal a plain forward of the path to it (fp32), eager and through the compiled path (the
-graphs take the tree's mask as they take the causal one), in a batch with a chain row and a row
-in a far slot; and after the accepted path's K/V are moved into a chain (SlotKVCache.move) the
-cache decodes on as if that path had been fed as a chain."""
+logits equal a plain forward of the path to it (fp32), eager, through the compiled path (the
+graphs take the tree's mask as they take the causal one) and through the captured graphs (a
+verify's graph records its mask from static inputs: a tree replays a chain's graph), in a batch
+with a chain row and a row in a far slot; and after the accepted path's K/V are moved into a
+chain (SlotKVCache.move) the cache decodes on as if that path had been fed as a chain."""
 
 import pytest
 import torch
@@ -17,9 +18,15 @@ PARENTS = [-1, -1, 0, 0, 1, 1]  # two candidates at the root, two below each
 TOKENS = [5, 9, 11, 3, 7, 9]
 
 
-def runner(compiled: bool) -> ModelRunner:
-    cfg = CompileConfig(enabled=True, backend="eager", batch_buckets=[4, 8], q_buckets=[1, 8])
-    return ModelRunner(tiny_llama(4, layers=2), 8, 64, compile=cfg if compiled else None, k_max=7)
+def runner(path: str) -> ModelRunner:
+    """``path``: eager, compiled (the CPU fast path) or captured (CUDA graphs; without CUDA a
+    replay re-runs the recorded forward on the graph's static inputs)."""
+    mode = "cuda-graphs" if path == "captured" else "default"
+    cfg = CompileConfig(
+        enabled=True, mode=mode, backend="eager", batch_buckets=[4, 8], q_buckets=[1, 8]
+    )
+    compile = None if path == "eager" else cfg
+    return ModelRunner(tiny_llama(4, layers=2), 8, 64, compile=compile, k_max=7)
 
 
 def tree_of(parents: list[int], q: int) -> Tree:
@@ -48,9 +55,9 @@ def prefill(r: ModelRunner, slot: int, prompt: list[int]) -> None:
     r.cache.commit(slot, len(prompt))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_each_node_sees_its_path_and_the_accepted_path_decodes_on(compiled):
-    r = runner(compiled)
+@pytest.mark.parametrize("path", ["eager", "compiled", "captured"])
+def test_each_node_sees_its_path_and_the_accepted_path_decodes_on(path):
+    r = runner(path)
     prompt, root = [1, 2, 3, 4, 6], 8
     # slot 0: the tree; slot 1: a chain row of 3 tokens; slot 5 (far: a span of padding rows)
     # the same tree again
@@ -66,8 +73,8 @@ def test_each_node_sees_its_path_and_the_accepted_path_decodes_on(compiled):
     )
     calls = r.fast.calls if r.fast is not None else 0
     logits = r.forward(ids, [0, 1, 5], [7, 3, 7], "all", tree=tree).logits  # [3, q, vocab]
-    if compiled:
-        assert r.fast is not None and r.fast.calls == calls + 1  # the compiled path ran it
+    if path != "eager":
+        assert r.fast is not None and r.fast.calls == calls + 1  # the fast path ran it
     with r.eager():  # references: plain forwards of each path in fresh slots
         for i in range(len(TOKENS)):
             path = [TOKENS[j] for j in path_to(i)]

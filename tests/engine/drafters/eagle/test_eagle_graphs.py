@@ -34,8 +34,11 @@ def target():
     return helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
 
 
-def drafter(target, slots: int = 4, q_max: int = 8) -> tuple[EagleDrafter, HeadCapture]:
-    """A drafter over a random head with its cache filled at random, and a capture for it."""
+def drafter(
+    target, slots: int = 4, q_max: int = 8, extras: int = 0
+) -> tuple[EagleDrafter, HeadCapture]:
+    """A drafter over a random head with its cache filled at random, and a capture for it
+    (``extras``: with masked graphs for a tree's steps)."""
     d = eagle_engine(target, random_head(5), slots=slots, k=3).drafter
     assert isinstance(d, EagleDrafter)
     with torch.inference_mode():
@@ -43,25 +46,31 @@ def drafter(target, slots: int = 4, q_max: int = 8) -> tuple[EagleDrafter, HeadC
             g = torch.Generator().manual_seed(seed)
             t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype))
     c = d.cache
-    return d, HeadCapture(c.scratch_pos, c.num_slots, KV_ALIGN, c.max_len, q_max)
+    return d, HeadCapture(c.scratch_pos, c.num_slots, KV_ALIGN, c.max_len, q_max, extras)
 
 
 def test_padded_buckets_give_the_eager_heads_results(target):
     """Rows, q and key lengths that pad up to their buckets (3 -> 4 rows, q 3 -> 4, 40 -> 64
-    keys), ingest and chain, and exact bucket sizes: outputs, logits and the K written are the
-    eager head's; each key is recorded once."""
-    d, cap = drafter(target)
+    keys), ingest, chain and a tree's masked step, and exact bucket sizes: outputs, logits and
+    the K written are the eager head's; each key is recorded once."""
+    d, cap = drafter(target, extras=3)
     shapes = [(3, 1, False, 40), (3, 3, True, 40), (1, 1, True, 19), (4, 4, True, 64),
               (2, 5, True, 100), (1, 1, False, 7), (3, 1, False, 33)]  # fmt: skip
+    masked = [(3, 40), (1, 19), (4, 33)]  # rows, keys (q = 1)
+    calls = [(r, q, i, kv, False) for r, q, i, kv in shapes] + [
+        (r, 1, False, kv, True) for r, kv in masked
+    ]
     with torch.inference_mode():
-        for i, (rows, q, ingest, kv_len) in enumerate(shapes):
-            ref = call(d, head_forward, rows, q, ingest, kv_len, seed=i)
-            got = call(d, cap, rows, q, ingest, kv_len, seed=i)
+        for i, (rows, q, ingest, kv_len, m) in enumerate(calls):
+            ref = call(d, head_forward, rows, q, ingest, kv_len, seed=i, masked=m)
+            got = call(d, cap, rows, q, ingest, kv_len, seed=i, masked=m)
             for a, b in zip(got, ref):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert cap.calls == len(shapes) and cap.eager_calls == 0
-    assert cap.captures == len(cap.graphs) == 5  # 3 -> 4 rows and 33, 40 -> 64 keys; q 3, 4 -> 4
-    assert (4, 4, 64, True) in cap.graphs and (4, 1, 64, False) in cap.graphs
+    assert cap.calls == len(calls) and cap.eager_calls == 0
+    # 3 -> 4 rows and 33, 40 -> 64 keys; q 3, 4 -> 4; masked: 4 rows over 64 keys, 1 over 32
+    assert cap.captures == len(cap.graphs) == 7
+    assert (4, 4, 64, True, False) in cap.graphs and (4, 1, 64, False, False) in cap.graphs
+    assert (4, 1, 64, False, True) in cap.graphs and (1, 1, 32, False, True) in cap.graphs
 
 
 def run_calls(d: EagleDrafter, fn, calls) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,3 +173,53 @@ def test_greedy_with_the_captured_head_equals_plain_and_drafts_as_the_eager_head
     assert sum(ref) > 0 and sum(ref) < sum(s.drafted for s in eager)  # some right, some wrong
     assert d.forward is cap and cap.captures == graphs
     assert engine.drafter_failures == 0 and d.cache.used_tokens() == 0
+
+
+def test_draft_trees_replay_the_captured_target_and_head(target):
+    """EAGLE-2 trees (top 4: chains of 2 and 6 more nodes) with the target and the head both
+    captured: every tree verify replays a verify graph (a tree and a chain share them: the
+    graph records its mask from static inputs), every tree step of the head (the chain rows and
+    the extras, masked) replays a masked graph; all recorded at warm-up and never after. Greedy
+    output equals plain decoding and the trees accept what the eager engine's trees accept (on
+    CPU the same per request). Before the graphs took masks, a tree verify dropped the target's
+    captured path for good and the head ran every tree step eagerly."""
+    from engine.kcontrol.controller import FixedK
+    from engine.model.compiled import CompileConfig
+    from engine.model.cuda_graphs import GraphForward
+
+    graphs = CompileConfig(enabled=True, mode="cuda-graphs", batch_buckets=[4], q_buckets=[1, 16])
+
+    def tree_engine(compile=None):
+        return helpers.engine_for(
+            target, "eagle3", 4, head=random_head(11), controller=FixedK(2, 6), tree_topk=4,
+            compile=compile,
+        )  # fmt: skip
+
+    engine = tree_engine(graphs)
+    d, fast = engine.drafter, engine.target.fast
+    assert isinstance(d, EagleDrafter) and isinstance(fast, GraphForward)
+    d.compile(capture_kv_align=KV_ALIGN)
+    engine.warm_up()
+    cap = d.forward
+    assert isinstance(cap, HeadCapture) and not cap.eager and cap.masked_buckets[-1] == 4 * 4
+    masked = [k for k in cap.graphs if k[4]]
+    assert len(masked) == len(cap.masked_buckets) * len(cap.kv_buckets)
+    head_graphs, target_graphs = cap.captures, fast.captures
+    g = SamplingParams(temperature=0, max_tokens=24)
+    ps = prompts(6, seed=5)
+    plain = helpers.engine_for(target, None, slots=4)
+    refs = [plain.generate([p], g)[0].output_ids for p in ps]
+    eager = tree_engine().generate(ps, g, SpecParams(k=2))
+    paths, eager_calls = helpers.Paths(engine.target), cap.eager_calls
+    outs = engine.generate(ps, g, SpecParams(k=2))
+    assert [s.output_ids for s in outs] == refs
+    helpers.assert_speculated(outs)
+    assert sum(s.tree_rounds for s in outs) > 0 and engine.drafter_failures == 0
+    assert engine.target.fast is fast and fast.captures == target_graphs  # never dropped
+    assert paths.fast > 0 and paths.eager == helpers.long_prompts(ps, 16)
+    assert d.forward is cap and cap.captures == head_graphs
+    assert cap.eager_calls - eager_calls <= len(ps)  # long ingests only: every tree step replayed
+    got, ref = [s.accepted for s in outs], [s.accepted for s in eager]
+    if d.device.type == "cpu":
+        assert got == ref
+    assert sum(ref) > 0
