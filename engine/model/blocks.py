@@ -1,5 +1,7 @@
-"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, a block table per sequence and
-automatic prefix caching. Host-side only: no tensor is touched here.
+"""Blocks of KV positions and their bookkeeping: a pool of fixed-size blocks with ref counts, and
+the chained hashes that key automatic prefix caching. Host-side only: no tensor is touched here.
+The paged KV cache (engine/model/paged_kv.py) keeps each sequence's block table; both prefix
+caches (engine/model/prefix_cache.py, engine/model/paged_prefix.py) key their blocks here.
 
 Terms, used wherever blocks are:
 
@@ -28,7 +30,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -166,104 +168,3 @@ class BlockPool:
                 break
             out.append(i)
         return out
-
-
-@dataclass
-class Table:
-    """One sequence's blocks and how many of its positions are committed."""
-
-    blocks: list[int] = field(default_factory=list)
-    length: int = 0  # committed positions
-    hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
-
-
-class BlockTables:
-    """Every sequence's block table over one :class:`BlockPool`, by key (the sequence's slot).
-
-    The life of a sequence: :meth:`open` (its cached prefix held), :meth:`reserve` before each
-    forward writes past its committed length (blocks taken as it grows), :meth:`commit` with the
-    tokens of what it keeps (blocks that became full are cached), :meth:`rollback` of positions it
-    wrote but does not keep, :meth:`close` (its blocks released, the full ones staying cached).
-    ``caching``: automatic prefix caching on (off: no block is ever looked up or cached)."""
-
-    def __init__(self, pool: BlockPool, caching: bool = True):
-        self.pool, self.caching = pool, caching
-        self.block_size = pool.block_size
-        self.tables: dict[int, Table] = {}
-        self.queries = self.hits = 0  # prompt tokens looked up, and found cached
-
-    def blocks_for(self, positions: int) -> int:
-        return -(-positions // self.block_size)
-
-    def open(self, key: int, prompt: Sequence[int]) -> int:
-        """Start sequence ``key`` on the longest cached prefix of ``prompt``, leaving at least its
-        last token to compute (its logits start the output). Returns the positions cached."""
-        if key in self.tables:
-            raise ValueError(f"sequence {key} already has a block table")
-        t = self.tables[key] = Table()
-        if not self.caching:
-            return 0
-        hashes, hit = self.pool.cached_prefix(prompt)
-        self.pool.hold(hit)
-        t.blocks, t.hashes, t.length = list(hit), hashes[: len(hit)], len(hit) * self.block_size
-        self.queries += len(prompt)
-        self.hits += t.length
-        return t.length
-
-    def fork(self, src: int, dst: int) -> None:
-        """Sequence ``dst`` starts as a copy of ``src``'s committed full blocks (a choice of the
-        same prompt): they are shared, not copied. The positions of ``src``'s partial last block
-        are ``dst``'s to compute or copy (:meth:`partial`)."""
-        s = self.tables[src]
-        full = s.length // self.block_size
-        if dst in self.tables:
-            raise ValueError(f"sequence {dst} already has a block table")
-        shared = s.blocks[:full]
-        self.pool.hold(shared)
-        self.tables[dst] = Table(list(shared), full * self.block_size, list(s.hashes[:full]))
-
-    def reserve(self, key: int, upto: int) -> list[int]:
-        """Blocks for positions ``[0, upto)`` of ``key`` (taking new ones as needed); returns the
-        blocks taken. :class:`PoolExhaustedError`, nothing taken, when the pool lacks them."""
-        t = self.tables[key]
-        need = self.blocks_for(upto) - len(t.blocks)
-        if need <= 0:
-            return []
-        new = self.pool.take(need)
-        t.blocks += new
-        return new
-
-    def commit(self, key: int, tokens: Sequence[int]) -> None:
-        """Sequence ``key`` keeps positions ``[0, len(tokens))`` holding ``tokens`` (all of its
-        tokens so far, as the target has seen them); blocks that became full are cached."""
-        t = self.tables[key]
-        if len(tokens) > len(t.blocks) * self.block_size:
-            raise ValueError(f"commit of {len(tokens)} positions past the blocks reserved")
-        t.length = len(tokens)
-        if not self.caching:
-            return
-        first = len(t.hashes)
-        for i, h in enumerate(extend_hashes(t.hashes, tokens, self.block_size), first):
-            self.pool.cache(t.blocks[i], h)
-
-    def rollback(self, key: int, length: int) -> None:
-        """Forget positions ``>= length`` of ``key`` (written by a forward, not kept). Blocks stay
-        reserved for the next forward; a cached full block is never rolled into."""
-        t = self.tables[key]
-        if length > t.length:
-            raise ValueError(f"rollback to {length} past committed length {t.length}")
-        if length < len(t.hashes) * self.block_size:
-            raise ValueError("rollback into a cached block")
-        t.length = length
-
-    def close(self, key: int) -> None:
-        """Sequence ``key`` ends: its blocks are released last first (full ones stay cached)."""
-        t = self.tables.pop(key, None)
-        if t is not None:
-            self.pool.release(t.blocks[::-1])
-
-    def length(self, key: int) -> int:
-        return self.tables[key].length
-
-    def blocks(self, key: int) -> list[int]:
-        return self.tables[key].blocks

@@ -130,6 +130,18 @@ class PagedKVCache(Slots):
         have += blocks
         self.peak_blocks = max(self.peak_blocks, self.blocks_held())
 
+    def rollback(self, slot: int, length: int) -> None:
+        """As :meth:`Slots.rollback`, never into a block another sequence holds or the prefix
+        cache keys: the next forward writes from ``length`` on, and such a block's K/V are
+        shared (ValueError)."""
+        i = length // self.block_size
+        table = self.tables[slot]
+        if i < len(table) and length < self.lengths[slot]:
+            b = self.pool.blocks[table[i]]
+            if b.ref > 1 or b.hash is not None:
+                raise ValueError(f"rollback of slot {slot} to {length}: into a shared block")
+        super().rollback(slot, length)
+
     def commit(self, slot: int, length: int) -> None:
         if length > len(self.tables[slot]) * self.block_size:
             raise ValueError(f"commit of {length} positions past the blocks of slot {slot}")

@@ -1,27 +1,60 @@
-"""engine/model/blocks.py: the block pool's ref counts and free queue, prefix lookup by chained
-hashes, eviction oldest-freed first, and the block tables' life (open on a cached prefix, reserve,
-commit, rollback, fork, close) without a leaked block."""
+"""engine/model/blocks.py and the sequences' life over it in the paged cache
+(engine/model/paged_kv.py) with its prefix cache (engine/model/paged_prefix.py): the block pool's
+ref counts and free queue, prefix lookup by chained hashes, eviction oldest-freed first, and a
+sequence's blocks (restored from a cached prefix, reserved, committed and cached, rolled back,
+shared by a choice, freed) without a leaked block. Host bookkeeping only: the K/V the blocks
+hold are tests/engine/test_paged_kv.py's."""
 
 import pytest
+import torch
 
-from engine.model.blocks import (
-    ROOT,
-    BlockPool,
-    BlockTables,
-    PoolExhaustedError,
-    block_hash,
-    prefix_hashes,
-)
+from engine.model.blocks import ROOT, BlockPool, PoolExhaustedError, block_hash, prefix_hashes
+from engine.model.paged_kv import PagedKVCache
+from engine.model.paged_prefix import PagedPrefixCache
 
 BS = 4
 
 
-def tables(blocks=8, caching=True) -> BlockTables:
-    return BlockTables(BlockPool(blocks, BS), caching)
+class Seqs:
+    """Sequences over a paged cache of ``blocks`` blocks of BS positions, by slot, as the engine
+    drives them (``caching``: with the prefix cache, else none is looked up or stored)."""
 
+    def __init__(self, blocks: int = 8, caching: bool = True, slots: int = 8):
+        self.cache = PagedKVCache(1, slots, 1, 1, 64, torch.float32, "cpu", blocks, BS)
+        self.pool = self.cache.pool
+        self.prefix = PagedPrefixCache(self.cache, 0) if caching else None
 
-def held(t: BlockTables) -> int:
-    return sum(b.ref for b in t.pool.blocks)
+    def open(self, slot: int, prompt: list[int]) -> int:
+        """Allocate ``slot`` on the longest cached prefix of ``prompt``; the positions cached."""
+        self.cache.allocate(slot)
+        return self.prefix.restore(slot, prompt) if self.prefix else 0
+
+    def reserve(self, slot: int, upto: int) -> None:
+        self.cache.reserve(slot, upto)
+
+    def commit(self, slot: int, tokens: list[int]) -> None:
+        self.cache.commit(slot, len(tokens))
+        if self.prefix:
+            self.prefix.store(slot, tokens)
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` a choice of ``src``'s committed prompt."""
+        self.cache.allocate(dst)
+        n = self.cache.lengths[src]
+        self.cache.copy(src, dst, n)
+        if self.prefix:
+            self.prefix.copy_known(src, dst, n)
+
+    def close(self, slot: int) -> None:
+        self.cache.free(slot)
+        if self.prefix:
+            self.prefix.forget(slot)
+
+    def blocks(self, slot: int) -> list[int]:
+        return self.cache.tables[slot]
+
+    def held(self) -> int:
+        return sum(b.ref for b in self.pool.blocks)
 
 
 def test_hashes_chain_and_depend_on_every_token_and_the_parent():
@@ -52,21 +85,21 @@ def test_take_hold_release_and_the_free_queue():
 
 
 def test_a_second_request_reuses_the_prompt_and_computes_only_the_rest():
-    t = tables()
+    t = Seqs()
     prompt = list(range(11))  # 2 full blocks and 3 tokens
     assert t.open(0, prompt) == 0
     t.reserve(0, len(prompt))
     t.commit(0, prompt)
     assert t.pool.num_cached() == 2
     t.close(0)
-    assert held(t) == 0 and t.pool.num_cached() == 2  # freed, still cached
+    assert t.held() == 0 and t.pool.num_cached() == 2  # freed, still cached
     assert t.open(1, prompt + [50, 51]) == 8  # the 2 cached blocks; 5 tokens to compute
-    assert t.blocks(1) == [b for b in t.pool._cached.values()]
-    assert t.hits == 8 and t.queries == 11 + 13
+    assert t.blocks(1) == list(t.pool._cached.values()) and t.cache.lengths[1] == 8
+    assert t.prefix is not None and t.prefix.hits == 8 and t.prefix.queries == 11 + 13
 
 
 def test_at_least_the_last_token_is_computed():
-    t = tables()
+    t = Seqs()
     prompt = list(range(8))  # exactly 2 full blocks
     t.open(0, prompt)
     t.reserve(0, 8)
@@ -76,7 +109,7 @@ def test_at_least_the_last_token_is_computed():
 
 
 def test_generated_tokens_are_cached_for_the_next_turn():
-    t = tables()
+    t = Seqs()
     prompt, answer = list(range(6)), [20, 21, 22, 23, 24]
     t.open(0, prompt)
     t.reserve(0, 6)
@@ -88,7 +121,7 @@ def test_generated_tokens_are_cached_for_the_next_turn():
 
 
 def test_eviction_takes_the_oldest_freed_block_and_a_sequence_frees_its_tail_first():
-    t = tables(blocks=4)
+    t = Seqs(blocks=4)
     p = list(range(100, 109))  # 2 full blocks + 1
     t.open(0, p)
     t.reserve(0, 9)
@@ -107,93 +140,96 @@ def test_eviction_takes_the_oldest_freed_block_and_a_sequence_frees_its_tail_fir
 
 
 def test_a_cached_block_in_use_is_never_evicted():
-    t = tables(blocks=3)
+    t = Seqs(blocks=3)
     p = list(range(9))
     t.open(0, p)
     t.reserve(0, 9)
     t.commit(0, p)
     with pytest.raises(PoolExhaustedError):
         t.reserve(0, 13)  # all 3 blocks are held by the running sequence
+    assert len(t.blocks(0)) == 3  # nothing taken by the refused call
     t.close(0)
-    t.open(1, p)  # holds the 2 cached blocks
+    assert t.open(1, p) == 8  # holds the 2 cached blocks
     t.reserve(1, 9)
+    t.open(2, [5])
     with pytest.raises(PoolExhaustedError):
-        t.open(2, [5])
         t.reserve(2, 8)  # 1 free block left: the hit's blocks are not taken from under it
 
 
 def test_rollback_keeps_blocks_and_never_enters_a_cached_block():
-    t = tables()
+    t = Seqs()
     p = list(range(6))
     t.open(0, p)
     t.reserve(0, 6 + 4)  # a verify of 4 drafted tokens past the prompt
-    t.commit(0, p + [1, 2])  # 8 kept: 2 full blocks
-    t.rollback(0, 8)
-    assert len(t.blocks(0)) == 3 and t.length(0) == 8
+    t.commit(0, p + [1, 2])  # 8 kept: 2 full blocks, cached
+    t.cache.rollback(0, 8)
+    assert len(t.blocks(0)) == 3 and t.cache.lengths[0] == 8
     with pytest.raises(ValueError):
-        t.rollback(0, 7)  # inside the second, cached block
+        t.cache.rollback(0, 7)  # inside the second, cached block: its next write would change it
     with pytest.raises(ValueError):
-        t.rollback(0, 9)  # past what is committed
+        t.cache.rollback(0, 9)  # past what is committed
 
 
 def test_choices_share_the_prompts_full_blocks():
-    t = tables()
+    t = Seqs()
     p = list(range(10))
     t.open(0, p)
     t.reserve(0, 10)
     t.commit(0, p)
     t.fork(0, 1)
-    assert t.blocks(1) == t.blocks(0)[:2] and t.length(1) == 8
+    # the full blocks shared, the partial third one copied into a block of the choice's own
+    assert t.blocks(1)[:2] == t.blocks(0)[:2] and t.blocks(1)[2] != t.blocks(0)[2]
+    assert t.cache.lengths[1] == 10
     assert [t.pool.blocks[i].ref for i in t.blocks(0)] == [2, 2, 1]
     t.close(0)
     t.close(1)
-    assert held(t) == 0 and t.pool.num_free() == 8
+    assert t.held() == 0 and t.pool.num_free() == 8
 
 
 def test_caching_off_never_looks_up_nor_caches():
-    t = tables(caching=False)
+    t = Seqs(caching=False)
     p = list(range(9))
-    for key in (0, 1):
-        assert t.open(key, p) == 0
-        t.reserve(key, 9)
-        t.commit(key, p)
-        t.close(key)
-    assert t.pool.num_cached() == 0 and t.hits == 0
+    for slot in (0, 1):
+        assert t.open(slot, p) == 0
+        t.reserve(slot, 9)
+        t.commit(slot, p)
+        t.close(slot)
+    assert t.pool.num_cached() == 0 and t.pool.evictions == 0
 
 
 def test_a_storm_of_sequences_leaks_no_block():
     import random
 
     rng = random.Random(0)
-    t = tables(blocks=16)
+    t = Seqs(blocks=16)
     live: dict[int, list[int]] = {}
     for _ in range(500):
-        key = rng.randrange(6)
-        if key in live and rng.random() < 0.3:
-            t.close(key)
-            del live[key]
-        elif key in live:
-            toks = live[key] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+        slot = rng.randrange(6)
+        if slot in live and rng.random() < 0.3:
+            t.close(slot)
+            del live[slot]
+        elif slot in live:
+            toks = live[slot] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
             try:
-                t.reserve(key, len(toks))
+                t.reserve(slot, len(toks))
             except PoolExhaustedError:
-                t.close(key)  # preempted
-                del live[key]
+                t.close(slot)  # preempted
+                del live[slot]
                 continue
-            t.commit(key, toks)
-            live[key] = toks
+            t.commit(slot, toks)
+            live[slot] = toks
         else:
             prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
-            t.open(key, prompt)
+            t.open(slot, prompt)
             try:
-                t.reserve(key, len(prompt))
+                t.reserve(slot, len(prompt))
             except PoolExhaustedError:
-                t.close(key)
+                t.close(slot)
                 continue
-            t.commit(key, prompt)
-            live[key] = prompt
-    assert t.hits > 0  # the small alphabet makes prefixes repeat
-    for key in list(live):
-        t.close(key)
-    assert held(t) == 0 and t.pool.num_free() == 16
+            t.commit(slot, prompt)
+            live[slot] = prompt
+    assert t.prefix is not None and t.prefix.hits > 0  # the small alphabet makes prefixes repeat
+    for slot in list(live):
+        t.close(slot)
+    assert t.held() == 0 and t.pool.num_free() == 16
     assert all(t.pool.blocks[i].hash == h for h, i in t.pool._cached.items())
