@@ -19,19 +19,22 @@ ancestors, at positions start + depth): trees replay the same graphs as chains.
 
 Invariants:
 
-- A graph reads its inputs from static buffers (ids, positions, write positions) that each call
-  fills first: ids device-to-device, positions from the host through pinned memory without a
-  sync (engine/transfer.py), and from constant ones (rows, key indices). :class:`Captured` holds
-  every one of them: a graph reads memory by address, and a freed buffer's memory is soon
-  another tensor's. Weights and caches are read and written in place.
+- A graph reads its inputs from static buffers (ids, positions, write positions; a verify's
+  row starts and query visibility) that each call fills first: ids device-to-device, positions
+  and starts from the host through pinned memory without a sync (engine/transfer.py; a tree's
+  are on the device already), and from constant ones (rows, key indices, a chain's triangle).
+  :class:`Captured` holds every one of them: a graph reads memory by address, and a freed
+  buffer's memory is soon another tensor's. Weights and caches are read and written in place.
 - All graphs share one memory pool, so a replay may overwrite any graph's outputs: a call's
   outputs are read (copied by :meth:`FastForward.run`'s row pick) before the next replay is
   queued, and nothing keeps them.
 - A graph holds the taps (EAGLE-3 features) of its runner, fixed at the runner's construction.
-- The same arithmetic as the eager path (the same kernels, minus launches; with
-  ``compile.fuse``, inductor's fused kernels of the same layer functions), so the lossless
-  tests hold through it; on a machine without CUDA the recorder re-runs the forward on the
-  static buffers, which tests the buffer plumbing.
+- The same arithmetic as the eager path for every query a row counts (the same kernels, minus
+  launches; with ``compile.fuse``, inductor's fused kernels of the same layer functions), so the
+  lossless tests hold through it (a padding query past a row's count sees the row's triangle
+  up to its own column, where eager sees up to the row's last token: its output is dropped);
+  on a machine without CUDA the recorder re-runs the forward on the static buffers, which tests
+  the buffer plumbing.
 """
 
 from __future__ import annotations

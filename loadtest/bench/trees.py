@@ -83,7 +83,8 @@ def run_shape(engine, ids, k, leaves, topk, max_tokens, concurrency):
 
 def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
     """Median time of a target verify of N tokens a row, as a chain and as a tree, batch 1 and
-    ``batch``: on the compiled path (N padded to its q buckets, as served) and eager (N itself)."""
+    ``batch``: on the compiled path (N padded to its q buckets, as served; ``<name>_fast`` says
+    whether the fast path ran it, not where N is past the buckets) and eager (N itself)."""
     target = engine.target
     fast, out = target.fast, []
     for rows in (1, batch):
@@ -115,9 +116,12 @@ def verify_costs(engine, batch: int, max_n: int) -> list[dict]:
                         with target.eager():
                             ms = 1e3 * time_call(call, target.device, repeats=15, warmup=3)
                     else:
+                        calls = fast.calls if fast is not None else 0
                         ms = 1e3 * time_call(call, target.device, repeats=15, warmup=3)
                         if target.fast is not fast:  # dropped after a failure: eager from then on
                             raise RuntimeError(f"the fast path failed on the {name} verify")
+                        # outside the q buckets the served forward is eager too
+                        row[f"{name}_fast"] = fast is not None and fast.calls > calls
                     row[f"{name}_{path}_ms"] = ms
             out.append(row)
         for s in slots:

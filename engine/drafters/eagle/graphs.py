@@ -25,7 +25,8 @@ Invariants:
 - The graphs of one (rows, q, ingest, masked) shape share their static inputs, whatever their key
   length (a masked graph reads the first key-length columns of its shape's mask buffer).
 - A masked call fills its rows' mask whole (False past its own key length); padding rows see
-  every key, so no row's softmax is over no key at all.
+  every key (a stale row of an earlier call, read through a shorter key bucket, might see none:
+  its softmax would be NaN, harmless in a dropped row, kept out all the same).
 - The head's graphs share a memory pool of their own, so a replay may overwrite any of the head's
   graphs' outputs, never the target's or the draft model's: a call returns copies.
 - Attention as in the eager head on CUDA: SDPA without cuDNN, query heads grouped by KV head

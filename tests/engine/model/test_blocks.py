@@ -156,18 +156,28 @@ def test_a_cached_block_in_use_is_never_evicted():
         t.reserve(2, 8)  # 1 free block left: the hit's blocks are not taken from under it
 
 
-def test_rollback_keeps_blocks_and_never_enters_a_cached_block():
+def test_rollback_keeps_blocks_and_never_enters_a_shared_block():
     t = Seqs()
     p = list(range(6))
     t.open(0, p)
     t.reserve(0, 6 + 4)  # a verify of 4 drafted tokens past the prompt
-    t.commit(0, p + [1, 2])  # 8 kept: 2 full blocks, cached
-    t.cache.rollback(0, 8)
+    t.commit(0, p + [1, 2, 3])  # 9 kept: 2 full blocks, cached, and 1 position of a third
+    t.cache.rollback(0, 8)  # back to the third block's start: its own, rewritten next
     assert len(t.blocks(0)) == 3 and t.cache.lengths[0] == 8
     with pytest.raises(ValueError):
         t.cache.rollback(0, 7)  # inside the second, cached block: its next write would change it
     with pytest.raises(ValueError):
         t.cache.rollback(0, 9)  # past what is committed
+    u = Seqs(caching=False)  # no hash: a block another sequence holds is refused all the same
+    u.open(0, p + [1, 2])
+    u.reserve(0, 8)
+    u.commit(0, p + [1, 2])
+    u.fork(0, 1)  # a choice shares both full blocks
+    with pytest.raises(ValueError):
+        u.cache.rollback(1, 6)
+    u.close(0)  # the choice holds them alone now
+    u.cache.rollback(1, 6)
+    assert u.cache.lengths[1] == 6
 
 
 def test_choices_share_the_prompts_full_blocks():
@@ -184,17 +194,6 @@ def test_choices_share_the_prompts_full_blocks():
     t.close(0)
     t.close(1)
     assert t.held() == 0 and t.pool.num_free() == 8
-
-
-def test_caching_off_never_looks_up_nor_caches():
-    t = Seqs(caching=False)
-    p = list(range(9))
-    for slot in (0, 1):
-        assert t.open(slot, p) == 0
-        t.reserve(slot, 9)
-        t.commit(slot, p)
-        t.close(slot)
-    assert t.pool.num_cached() == 0 and t.pool.evictions == 0
 
 
 def test_a_storm_of_sequences_leaks_no_block():
