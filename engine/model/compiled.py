@@ -99,13 +99,17 @@ def bucket(buckets: list[int], n: int) -> int | None:
 class FastForward:
     """Compiled fixed-shape forward of one :class:`~engine.model.runner.ModelRunner`."""
 
+    # whether a verify of draft trees runs here (a class attribute: GraphForward, whose verify
+    # graphs record their mask from static inputs, does not run this __init__)
+    takes_trees = True
+
     def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
         cache = runner.cache
         self.cuda_graphs = cfg.mode == "reduce-overhead"
         self.dynamic = (not self.cuda_graphs) if cfg.dynamic is None else cfg.dynamic
         self.full_kv = self.cuda_graphs  # static key length: the whole cache
-        self.takes_trees = not self.full_kv
+        self.takes_trees = not self.full_kv  # inductor's CUDA-graph trees record the causal mask
         import torch._dynamo as dynamo
         import torch._inductor.config as inductor_config
 
@@ -166,14 +170,15 @@ class FastForward:
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
         kv_len = self._kv_len(max(st + n for st, n in zip(starts, counts)))
-        starts_t, tree_b = torch.tensor(row_start), None  # [nb] host
+        rows_at: list[int] | torch.Tensor = row_start  # [nb]
+        tree_b = None
         if tree is not None:
-            if not self.takes_trees:  # inductor's CUDA-graph trees record the causal mask
+            if not self.takes_trees:
                 return None
             tree_b = self._tree_rows(tree, slot_t, nb, qb, q)
-            starts_t = to_device(starts_t, None, dev)
-            pos = starts_t[:, None] + tree_b.depth  # [nb, qb] on the device: start + depth
-        h, tapped = self._call(ids_b, pos, write_pos, kv_len, tree_b, starts_t)
+            rows_at = to_device(row_start, torch.long, dev)
+            pos = rows_at[:, None] + tree_b.depth  # [nb, qb] on the device: start + depth
+        h, tapped = self._call(ids_b, pos, write_pos, kv_len, tree_b, rows_at)
         # the rows of this forward's slots
         return h[slot_t, :q], (tapped[slot_t, :q] if tapped is not None else None)
 
@@ -201,7 +206,7 @@ class FastForward:
         write_pos: torch.Tensor,
         kv_len: int,
         tree: Tree | None = None,
-        starts: torch.Tensor | None = None,
+        starts: list[int] | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and
         pos, write_pos ``[nb, qb]`` (host tensors; a tree's pos on the device), keys read up to
@@ -215,7 +220,7 @@ class FastForward:
         mask = None
         if tree is not None:
             assert starts is not None
-            mask = tree_mask(tree, to_device(starts, None, dev), kv_len)
+            mask = tree_mask(tree.visible, to_device(starts, torch.long, dev), kv_len)
         self.calls += 1
         return self.runner.layers_forward(
             ids,

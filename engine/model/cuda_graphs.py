@@ -50,7 +50,7 @@ import torch
 from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward, bucket
 from engine.model.group_graphs import GuardedGroups
-from engine.model.tree_attention import Tree, visible_mask
+from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import copy_into
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Captured:
     tapped: torch.Tensor | None  # [nb, qb, taps * hidden]
     replay: Callable[[], None]
     # qb > 1 (a verify, a chain's or a tree's): the mask is recorded from each row's start and
-    # which of the row's queries each query sees (tree_attention.visible_mask); None at qb = 1
+    # which of the row's queries each query sees (tree_attention.tree_mask); None at qb = 1
     starts: torch.Tensor | None = None  # [nb] long
     visible: torch.Tensor | None = None  # [nb, qb, qb] bool
     chain: torch.Tensor | None = None  # [nb, qb, qb] lower-triangular: a chain's (constant)
@@ -86,7 +86,6 @@ class GraphForward(FastForward):
 
     def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
-        self.takes_trees = True  # a verify's graph records its mask from static inputs
         self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
         self.captured: dict[tuple[int, int, int], Captured] = {}
         self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
@@ -101,7 +100,7 @@ class GraphForward(FastForward):
         write_pos: torch.Tensor,
         kv_len: int,
         tree: Tree | None = None,
-        starts: torch.Tensor | None = None,
+        starts: list[int] | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`FastForward._call` (``kv_len`` a key-length bucket): fill the bucket's
         static inputs, replay its graph (captured on first use), return its static outputs. A
@@ -117,7 +116,9 @@ class GraphForward(FastForward):
         copy_into(g.write_pos, write_pos)
         if g.visible is not None:
             assert starts is not None and g.starts is not None and g.chain is not None
-            copy_into(g.starts, starts)
+            copy_into(
+                g.starts, starts if isinstance(starts, torch.Tensor) else torch.tensor(starts)
+            )
             if tree is not None or g.holds_tree:
                 g.visible.copy_(tree.visible if tree is not None else g.chain)
                 g.holds_tree = tree is not None
@@ -176,9 +177,7 @@ class GraphForward(FastForward):
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             groups = self.groups
             size = self.cfg.layers_per_graph if groups is not None else None
-            mask = (
-                None if visible is None or starts is None else visible_mask(visible, starts, kv_len)
-            )
+            mask = None if visible is None or starts is None else tree_mask(visible, starts, kv_len)
             return runner.layers_forward(
                 ids, pos, write_pos, rows, kv_idx, 0, groups, size, mask=mask
             )

@@ -18,15 +18,11 @@ class Tree(NamedTuple):
     visible: torch.Tensor  # [batch, q, q] bool on the device; padding queries see themselves
 
 
-def tree_mask(tree: Tree, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
+def tree_mask(visible: torch.Tensor, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
     """``[batch, 1, q, kv_len]`` bool: query j of row b sees key column c when c is in the
-    committed prefix (c < start_b) or holds a query of the row that j sees."""
-    return visible_mask(tree.visible, starts, kv_len)
-
-
-def visible_mask(visible: torch.Tensor, starts: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """:func:`tree_mask` from ``visible`` ``[batch, q, q]`` alone (what a captured graph records:
-    a chain is the tree whose ``visible`` is lower-triangular)."""
+    committed prefix (c < start_b) or holds a query of the row that j sees (``visible``
+    ``[batch, q, q]``, a :class:`Tree`'s; a chain's is lower-triangular, as a captured graph
+    records it)."""
     q = visible.shape[1]
     rel = torch.arange(kv_len, device=starts.device)[None, :] - starts[:, None]  # [batch, kv_len]
     in_tree = (rel >= 0) & (rel < q)
@@ -38,4 +34,4 @@ def visible_mask(visible: torch.Tensor, starts: torch.Tensor, kv_len: int) -> to
 def tree_inputs(tree: Tree, starts: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions ``[batch, q]`` (``start + depth``) and the mask (:func:`tree_mask`) of a
     tree verify whose rows start at ``starts`` ``[batch]``."""
-    return starts[:, None] + tree.depth, tree_mask(tree, starts, kv_len)
+    return starts[:, None] + tree.depth, tree_mask(tree.visible, starts, kv_len)
