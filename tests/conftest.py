@@ -31,6 +31,7 @@ HEAVY_DIRS = ("server", "loadtest")
 HEAVY_FIXTURES = {"real_fp32", "built", "live", "live_default", "served", "target_greedy"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads the group (below)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = item.path.relative_to(config.rootpath).parts
@@ -40,6 +41,25 @@ def pytest_collection_modifyitems(config, items):
             or HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
         ):
             item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """On the controller: refuse to run with the heavy group lost. A worker tells the scheduler a
+    test's group only by the ``@heavy`` suffix xdist writes into its node id; where that write no
+    longer takes (pytest 9.2 made node ids structured, pytest-xdist 3.8 still writes the old
+    field), the group is silently ignored and heavy tests run on both workers at once."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    by_dir = tuple(f"tests/{d}/" for d in HEAVY_DIRS)
+    lost = [i for i in ids if i.startswith(by_dir) and not i.endswith("@heavy")]
+    if lost:
+        pytest.exit(
+            f"--dist loadgroup lost the heavy group ({lost[0]} has no @heavy): this pytest-xdist "
+            "cannot mark groups under this pytest; install the pytest pyproject.toml's test "
+            "extra names",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 @pytest.fixture(autouse=True)
