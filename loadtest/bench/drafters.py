@@ -3,7 +3,9 @@
 Two servers from the same config, differing only in ``engine.drafter``: the config's own (the
 EAGLE-3 head) and the n-gram drafter. Each is started alone (they would share the cores), then
 driven by ``python -m loadtest`` with the same 24 requests as ``loadtest/bench/servers.py`` (16
-MT-Bench chats + 8 HumanEval completions, greedy, streamed) one at a time and 8 at a time.
+MT-Bench chats + 8 HumanEval completions, greedy, streamed) one at a time and 8 at a time;
+``--sharegpt N`` adds the first N chats of the ShareGPT ``e`` bucket that fit llama-server's
+slots, and the table gives tokens per target pass by set (MT-Bench, HumanEval, ShareGPT).
 On each server speculation on and off run interleaved (ABBA, ``--modes on,off``), so plain
 decoding is measured beside each drafter in the same run; ratios are per repeat.
 
@@ -13,6 +15,11 @@ loadtest/envs/build_llama_server.sh) the same requests go in the same run to
 ``--spec-default`` (its n-gram speculation), and the table gives every specd row's ratio to
 llama-server plain. ``--llama-eagle3 HEAD.gguf`` adds llama-server drafting with the same EAGLE-3
 head (``-md HEAD.gguf --spec-type draft-eagle3``; loadtest/envs/convert_head_gguf.sh writes it).
+
+``--tree-leaves L`` (``--tree-topk B``) adds each EAGLE-3 server with draft trees where the
+adaptive controller prices them worth it; ``--fixed-tree K+LxB`` adds each EAGLE-3 server
+drafting one fixed tree every round (a chain of K and L more nodes of EAGLE-2's expansion with
+top B): the most tokens a pass the head reaches, whatever the tree costs.
 
     python -m loadtest.bench.drafters --config configs/default.yaml --repeat 2
     python -m loadtest.bench.drafters --config configs/cpu-eagle.yaml \
@@ -38,12 +45,16 @@ from loadtest.server_proc import HOST, spawn, specd_server
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "controller": "adaptive", "k_max": 7}
 
 
-def configs(path: Path, fallback: int = 3, trees: int = 0, topk: int = 0) -> dict[str, dict]:
+def configs(
+    path: Path, fallback: int = 3, trees: int = 0, topk: int = 0, fixed_tree: str | None = None
+) -> dict[str, dict]:
     """The config as given, and the same with the n-gram drafter; for an EAGLE-3 config, the
     head with and without the per-row n-gram fallback (``ngram_fallback``: drafters/hybrid.py),
     and with ``trees``, each of those with draft trees of up to that many leaves (the adaptive
     controller verifies them where they pay: engine/round/draft_tree.py), from EAGLE-2's
-    expansion with top ``topk`` (drafter.tree_topk) where it is given."""
+    expansion with top ``topk`` (drafter.tree_topk) where it is given; ``fixed_tree``
+    (``K+LxB``): each of those drafting that tree every round (controller fixed, k_max K + L,
+    and a q bucket that holds the K + L drafts and the bonus token)."""
     data = yaml.safe_load(path.read_text())
 
     def variant(drafter: dict) -> dict:
@@ -61,7 +72,69 @@ def configs(path: Path, fallback: int = 3, trees: int = 0, topk: int = 0) -> dic
         tree = {"tree_leaves": trees, "tree_topk": topk}
         out["eagle3+tree"] = variant(head | tree)
         out["eagle3+ngram+tree"] = variant(hybrid | tree)
+    if fixed_tree:
+        k, leaves, b = fixed_shape(fixed_tree)
+        tree = {"controller": "fixed", "k": k, "k_max": k + leaves}
+        tree |= {"tree_leaves": leaves, "tree_topk": b}
+        need = 1 << (k + leaves).bit_length()  # the smallest power of two > K + L
+        for name, drafter in (("eagle3", head), ("eagle3+ngram", hybrid)):
+            fixed = variant(drafter | tree)
+            compiled = fixed["engine"].setdefault("compile", {})
+            compiled["q_buckets"] = sorted(set(compiled.get("q_buckets") or [1, 2, 4, 8]) | {need})
+            out[f"{name}+{fixed_tree}"] = fixed
     return out | {"ngram": variant(NGRAM)}
+
+
+def fixed_shape(text: str) -> tuple[int, int, int]:
+    """``K+LxB`` -> (K, L, B): a chain of K and L more nodes of EAGLE-2's expansion, top B."""
+    k, _, rest = text.partition("+")
+    leaves, _, b = rest.partition("x")
+    if not (k.isdigit() and leaves.isdigit() and b.isdigit()) or int(b) < 2:
+        raise ValueError(f"a fixed tree is K+LxB with B >= 2 (e.g. 4+8x4), got {text!r}")
+    return int(k), int(leaves), int(b)
+
+
+SETS = ("sharegpt-e", "mt-bench", "humaneval")  # the prompt sets tokens per pass is given for
+LLAMA_SLOT = 8192 // 8  # tokens a llama-server slot holds (-c 8192 over -np 8, below)
+
+
+def add_sharegpt(data: Path, config: str, n: int, max_tokens: int) -> int:
+    """Append to the mix the first ``n`` chats of the ShareGPT ``e`` bucket whose prompt leaves
+    room in a llama-server slot for the answer and a verify of 16 (as loadtest.bench.trees picks
+    them, in the chat template of the config's tokenizer); returns how many."""
+    from transformers import AutoTokenizer
+
+    from engine.model.loader import prepare
+    from loadtest.bench.eagle import fitting_prompts
+
+    cfg = EngineConfig.from_yaml(config)
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else None
+    tok = AutoTokenizer.from_pretrained(prepare(cfg.model.source, cache, progress=False))
+    pairs = fitting_prompts(tok, 0, 0, n, LLAMA_SLOT - max_tokens - 17)
+    with data.open("a") as f:
+        for p, _ in pairs:
+            item = {"id": p.id, "category": p.category}  # "sharegpt-e"
+            f.write(json.dumps(item | {"messages": [{"role": "user", "content": p.text}]}) + "\n")
+    return len(pairs)
+
+
+def by_set(summary: dict) -> dict[str, list[int]]:
+    """A run's [output tokens, target passes] by prompt set, from its requests by category."""
+    sums: dict[str, list[int]] = {s: [0, 0] for s in SETS}
+    for cat, c in (summary.get("by_category") or {}).items():
+        s = cat if cat in ("humaneval", "sharegpt-e") else "mt-bench"
+        sums[s][0] += c["output_tokens"]
+        sums[s][1] += c["passes"] or 0
+    return sums
+
+
+def tau_by_set(rows: list[dict]) -> list[float | None]:
+    """Output tokens per target pass by prompt set over ``rows`` (None: no pass counted)."""
+    out = []
+    for s in SETS:
+        tokens, passes = (sum(r["by_set"][s][i] for r in rows) for i in (0, 1))
+        out.append(tokens / passes if passes else None)
+    return out
 
 
 def llama_runs(head_gguf: str | None) -> dict[str, tuple[list[str], str]]:
@@ -103,6 +176,7 @@ def table_rows(res: dict, server: str, drafter) -> list[dict]:
             "output_tok_s": r["summary"]["output_tok_s"],
             "itl_p95_ms": r["summary"]["itl_token"]["p95_ms"],
             "errors": r["summary"].get("errors", 0),
+            "by_set": by_set(r["summary"]),
             "server_stats": r.get("server"),
         }
         for r in res["runs"]
@@ -125,15 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tree-topk", type=int, default=0, help="their trees from EAGLE-2's expansion, top K"
     )
+    ap.add_argument(
+        "--fixed-tree", help="also the EAGLE-3 servers drafting this tree every round (K+LxB)"
+    )
+    ap.add_argument("--sharegpt", type=int, default=0, help="ShareGPT e-bucket chats added")
     ap.add_argument("--only", help="the servers to run, by name (default: all)")
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = mix_file(out / "mix.jsonl")
+    shared = add_sharegpt(data, args.config, args.sharegpt, args.max_tokens) if args.sharegpt else 0
     rows = []
     for name, cfg in configs(
-        Path(args.config), trees=args.tree_leaves, topk=args.tree_topk
+        Path(args.config), trees=args.tree_leaves, topk=args.tree_topk, fixed_tree=args.fixed_tree
     ).items():
         if only is not None and name not in only:
             continue
@@ -159,18 +238,22 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --llama-eagle3 {args.llama_eagle3}" if llama_servers and args.llama_eagle3 else "")
         + (f" --tree-leaves {args.tree_leaves}" if args.tree_leaves else "")
         + (f" --tree-topk {args.tree_topk}" if args.tree_topk else "")
+        + (f" --fixed-tree {args.fixed_tree}" if args.fixed_tree else "")
+        + (f" --sharegpt {args.sharegpt}" if args.sharegpt else "")
         + (f" --only {args.only}" if args.only else ""),
         (
-            f"# {args.requests or 24} requests a level from the mix of 16 MT-Bench chats + "
-            "8 HumanEval, greedy, streamed; plain = the same server with speculation off (ABBA)"
+            f"# {args.requests or 24 + shared} requests a level from the mix of 16 MT-Bench "
+            f"chats + 8 HumanEval + {shared} ShareGPT e-bucket chats, greedy, streamed; "
+            "plain = the same server with speculation off (ABBA)"
         ),
         (
             "# x plain: / the same server's plain decoding (same repeat); x llama: / "
-            "llama-server plain (medians)"
+            "llama-server plain (medians); tau: output tokens per target pass by set, over the "
+            "repeats (specd's drafters)"
         ),
         (
-            f"{'server':<18}{'drafter':<18}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
-            f"{'x plain':>9}{'x llama':>9}{'errors':>8}"
+            f"{'server':<24}{'drafter':<24}{'clients':>8}{'tok/s':>9}{'ITL p95 ms':>12}"
+            f"{'x plain':>9}{'x llama':>9}{'errors':>8}{'tau e':>8}{'tau mt':>8}{'tau he':>8}"
         ),
     ]
     med = statistics.median
@@ -184,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                 rs = [r for r in mine if r["drafter"] == drafter]
                 tok_s = med(r["output_tok_s"] for r in rs)
                 own = med(r["output_tok_s"] / plain[r["repeat"]] for r in rs) if plain else None
+                tau = tau_by_set(rs)
                 lines.append(
-                    f"{server:<18}{drafter:<18}{c:>8}{tok_s:>9.1f}"
+                    f"{server:<24}{drafter:<24}{c:>8}{tok_s:>9.1f}"
                     f"{med(r['itl_p95_ms'] for r in rs):>12.0f}"
                     + (f"{own:>9.2f}" if own is not None else f"{'-':>9}")
                     + (f"{tok_s / med(llama):>9.2f}" if llama else f"{'-':>9}")
                     + f"{sum(r['errors'] for r in rs):>8}"
+                    + "".join(f"{t:>8.2f}" if t else f"{'-':>8}" for t in tau)
                 )
     text = "\n".join(lines)
     print(text)

@@ -1,9 +1,14 @@
 """loadtest/bench/drafters.py: which server configs one run compares."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from engine.builder import make_controller
 from engine.config import EngineConfig
-from loadtest.bench.drafters import configs, llama_runs
+from engine.kcontrol.controller import FixedK
+from loadtest.bench.drafters import SETS, by_set, configs, llama_runs, tau_by_set
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -51,3 +56,31 @@ def test_trees_add_the_head_servers_with_trees():
     chain = EngineConfig.from_dict(runs["eagle3+ngram"]["engine"]).drafter
     assert (tree.tree_leaves, tree.tree_topk, tree.ngram_fallback) == (4, 4, 3)
     assert (chain.tree_leaves, chain.tree_topk) == (0, 0)
+
+
+def test_a_fixed_tree_server_drafts_that_tree_every_round_in_a_bucket_that_holds_it():
+    runs = configs(ROOT / "configs" / "default.yaml", fixed_tree="4+8x4")
+    assert list(runs) == ["eagle3", "eagle3+ngram", "eagle3+4+8x4", "eagle3+ngram+4+8x4", "ngram"]
+    for name, fallback in (("eagle3+4+8x4", 0), ("eagle3+ngram+4+8x4", 3)):
+        cfg = EngineConfig.from_dict(runs[name]["engine"])
+        d = cfg.drafter
+        assert (d.controller, d.k, d.k_max, d.tree_leaves, d.tree_topk) == ("fixed", 4, 12, 8, 4)
+        assert d.ngram_fallback == fallback and d.method == "eagle3"
+        assert cfg.compile.q_buckets == [1, 2, 4, 8, 16]  # 12 drafts + the bonus: the 16 bucket
+        ctrl = make_controller(d, SimpleNamespace(trees=True))
+        assert isinstance(ctrl, FixedK) and (ctrl.k, ctrl.leaves) == (4, 8)
+    with pytest.raises(ValueError, match="K\\+LxB"):
+        configs(ROOT / "configs" / "default.yaml", fixed_tree="4+8")
+
+
+def test_tokens_per_pass_by_set_sums_each_sets_categories_over_the_runs():
+    def summary(**cats):
+        return {"by_category": {c: {"output_tokens": t, "passes": p} for c, (t, p) in cats.items()}}
+
+    rows = [
+        {"by_set": by_set(summary(writing=(10, 5), coding=(20, 5), humaneval=(9, 3)))},
+        {"by_set": by_set(summary(writing=(30, 10), **{"sharegpt-e": (8, 4)}))},
+    ]
+    assert SETS == ("sharegpt-e", "mt-bench", "humaneval")
+    assert tau_by_set(rows) == [2.0, 60 / 20, 3.0]
+    assert tau_by_set([{"by_set": by_set(summary(humaneval=(9, 0)))}]) == [None, None, None]
