@@ -17,9 +17,10 @@ llama-server plain. ``--llama-eagle3 HEAD.gguf`` adds llama-server drafting with
 head (``-md HEAD.gguf --spec-type draft-eagle3``; loadtest/envs/convert_head_gguf.sh writes it).
 
 ``--tree-leaves L`` (``--tree-topk B``) adds each EAGLE-3 server with draft trees where the
-adaptive controller prices them worth it; ``--fixed-tree K+LxB`` adds each EAGLE-3 server
-drafting one fixed tree every round (a chain of K and L more nodes of EAGLE-2's expansion with
-top B): the most tokens a pass the head reaches, whatever the tree costs.
+adaptive controller prices them worth it; ``--fixed-tree K+LxB`` adds each EAGLE-3 server with
+the controller fixed: the head's rows draft one tree every round (a chain of K and L more nodes
+of EAGLE-2's expansion with top B), rows the n-gram fallback copies for a chain of K; the most
+tokens a pass the head reaches, whatever the tree costs.
 
     python -m loadtest.bench.drafters --config configs/default.yaml --repeat 2
     python -m loadtest.bench.drafters --config configs/cpu-eagle.yaml \
@@ -53,8 +54,8 @@ def configs(
     and with ``trees``, each of those with draft trees of up to that many leaves (the adaptive
     controller verifies them where they pay: engine/round/draft_tree.py), from EAGLE-2's
     expansion with top ``topk`` (drafter.tree_topk) where it is given; ``fixed_tree``
-    (``K+LxB``): each of those drafting that tree every round (controller fixed, k_max K + L,
-    and a q bucket that holds the K + L drafts and the bonus token)."""
+    (``K+LxB``): each of those with the head's rows drafting that tree every round (controller
+    fixed, k_max K + L, and a q bucket that holds the verify's K + L drafts and the last token)."""
     data = yaml.safe_load(path.read_text())
 
     def variant(drafter: dict) -> dict:
@@ -64,6 +65,8 @@ def configs(
 
     d = data["engine"]["drafter"]
     if d["method"] != "eagle3":
+        if fixed_tree:
+            raise ValueError(f"--fixed-tree needs an EAGLE-3 config, {path} drafts {d['method']}")
         return {d["method"]: data, "ngram": variant(NGRAM)}
     head = {k: v for k, v in d.items() if k not in ("ngram_fallback", "tree_leaves")}
     hybrid = head | {"ngram_fallback": d.get("ngram_fallback") or fallback}
@@ -89,8 +92,9 @@ def fixed_shape(text: str) -> tuple[int, int, int]:
     """``K+LxB`` -> (K, L, B): a chain of K and L more nodes of EAGLE-2's expansion, top B."""
     k, _, rest = text.partition("+")
     leaves, _, b = rest.partition("x")
-    if not (k.isdigit() and leaves.isdigit() and b.isdigit()) or int(b) < 2:
-        raise ValueError(f"a fixed tree is K+LxB with B >= 2 (e.g. 4+8x4), got {text!r}")
+    digits = k.isdigit() and leaves.isdigit() and b.isdigit()
+    if not digits or int(k) < 1 or int(leaves) < 1 or int(b) < 2:
+        raise ValueError(f"a fixed tree is K+LxB, K, L >= 1, B >= 2 (e.g. 4+8x4), got {text!r}")
     return int(k), int(leaves), int(b)
 
 
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# python -m loadtest.bench.drafters --config {args.config} --repeat {args.repeat} "
         f"--max-tokens {args.max_tokens}"
+        + (f" --concurrency {args.concurrency}" if args.concurrency != "1,8" else "")
         + (f" --requests {args.requests}" if args.requests else "")
         + (f" --llama-server {args.llama_server}" if args.llama_server else "")
         + (f" --llama-eagle3 {args.llama_eagle3}" if llama_servers and args.llama_eagle3 else "")
@@ -240,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f" --tree-topk {args.tree_topk}" if args.tree_topk else "")
         + (f" --fixed-tree {args.fixed_tree}" if args.fixed_tree else "")
         + (f" --sharegpt {args.sharegpt}" if args.sharegpt else "")
-        + (f" --only {args.only}" if args.only else ""),
+        + (f" --only {args.only}" if args.only else "")
+        + f" --out {args.out}",
         (
             f"# {args.requests or 24 + shared} requests a level from the mix of 16 MT-Bench "
             f"chats + 8 HumanEval + {shared} ShareGPT e-bucket chats, greedy, streamed; "

@@ -66,11 +66,14 @@ def test_a_fixed_tree_server_drafts_that_tree_every_round_in_a_bucket_that_holds
         d = cfg.drafter
         assert (d.controller, d.k, d.k_max, d.tree_leaves, d.tree_topk) == ("fixed", 4, 12, 8, 4)
         assert d.ngram_fallback == fallback and d.method == "eagle3"
-        assert cfg.compile.q_buckets == [1, 2, 4, 8, 16]  # 12 drafts + the bonus: the 16 bucket
+        assert cfg.compile.q_buckets == [1, 2, 4, 8, 16]  # 12 drafts + the last token: 16
         ctrl = make_controller(d, SimpleNamespace(trees=True))
         assert isinstance(ctrl, FixedK) and (ctrl.k, ctrl.leaves) == (4, 8)
-    with pytest.raises(ValueError, match="K\\+LxB"):
-        configs(ROOT / "configs" / "default.yaml", fixed_tree="4+8")
+    for bad in ("4+8", "0+8x4", "4+0x4", "4+8x1"):  # no expansion, no chain, no tree, no top B
+        with pytest.raises(ValueError, match="K\\+LxB"):
+            configs(ROOT / "configs" / "default.yaml", fixed_tree=bad)
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        configs(ROOT / "configs" / "cpu-compiled.yaml", fixed_tree="4+8x4")
 
 
 def test_tokens_per_pass_by_set_sums_each_sets_categories_over_the_runs():
