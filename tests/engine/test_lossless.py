@@ -165,6 +165,44 @@ def test_eagle_trees_are_lossless_and_both_caches_follow_the_path(
     assert engine.drafter_failures == 0
 
 
+@pytest.mark.parametrize("topk", [0, 4], ids=["leaves", "expanded"])
+def test_a_stop_token_inside_a_tree_path_ends_the_output_there(
+    real_fp32, prompts, reference, head, topk
+):
+    """Stop tokens under draft trees: every request stops at the first occurrence of its stop
+    token, as plain greedy does (the reference cut after it, finish "stop"), whether the stop
+    came as a verify's bonus token or as a node of the accepted path; some stops were accepted
+    nodes of a tree round with nodes after them cut, and both caches end empty."""
+    from engine.kcontrol.controller import FixedK
+
+    engine = helpers.engine_for(
+        real_fp32[0], "eagle3", slots=8, max_len=1024, head=head,
+        controller=FixedK(3, 4) if not topk else FixedK(2, 6), tree_topk=topk,
+    )  # fmt: skip
+    want = {}  # request id -> the reference cut after the stop token's first occurrence
+    for n, (ids, ref) in enumerate(zip(prompts, reference)):
+        firsts = [i for i in range(4, len(ref)) if ref[i] not in ref[:i]]  # first occurrences
+        # up to three stops a prompt: its first new token from position 4, 12 and 20 on
+        for i in sorted({next((i for i in firsts if i >= s), -1) for s in (4, 12, 20)} - {-1}):
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=(ref[i],))
+            engine.add_request(f"p{n}-{i}", ids, params, SpecParams(k=3))
+            want[f"p{n}-{i}"] = ref[: i + 1]
+    got, inside = {}, 0
+    while engine.has_work():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            assert out.seq is not None
+            got[out.request_id] = (out.seq.output_ids, out.finish_reason)
+            st = out.stats
+            if st is not None and st.leaves and st.emitted <= st.accepted:  # an accepted node
+                inside += st.accepted > st.emitted  # and the path's nodes after it were cut
+    assert got == {r: (ref, "stop") for r, ref in want.items()}
+    assert inside > 0
+    assert engine.target.cache.used_tokens() == 0 and engine.drafter.cache.used_tokens() == 0
+    assert engine.drafter_failures == 0
+
+
 def test_self_draft_accepts_everything(real_fp32, prompts, reference):
     engine = real_engine(real_fp32, "self")
     rounds = []
