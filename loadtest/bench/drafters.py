@@ -41,6 +41,7 @@ from engine.config import EngineConfig
 from engine.model.loader import resolve_source
 from loadtest import cli
 from loadtest.bench.servers import mix_file
+from loadtest.bench.trees import set_of, shape
 from loadtest.server_proc import HOST, spawn, specd_server
 
 NGRAM = {"method": "ngram", "ngram_min": 1, "ngram_max": 3, "controller": "adaptive", "k_max": 7}
@@ -89,16 +90,18 @@ def configs(
 
 
 def fixed_shape(text: str) -> tuple[int, int, int]:
-    """``K+LxB`` -> (K, L, B): a chain of K and L more nodes of EAGLE-2's expansion, top B."""
-    k, _, rest = text.partition("+")
-    leaves, _, b = rest.partition("x")
-    digits = k.isdigit() and leaves.isdigit() and b.isdigit()
-    if not digits or int(k) < 1 or int(leaves) < 1 or int(b) < 2:
+    """``K+LxB`` (loadtest.bench.trees' shapes) -> (K, L, B): a chain of K and L more nodes of
+    EAGLE-2's expansion, top B."""
+    try:
+        k, leaves, b = shape(text)
+    except ValueError:
+        k = leaves = b = 0
+    if k < 1 or leaves < 1 or b < 2:
         raise ValueError(f"a fixed tree is K+LxB, K, L >= 1, B >= 2 (e.g. 4+8x4), got {text!r}")
-    return int(k), int(leaves), int(b)
+    return k, leaves, b
 
 
-SETS = ("sharegpt-e", "mt-bench", "humaneval")  # the prompt sets tokens per pass is given for
+COLUMNS = ("sharegpt-e", "mt-bench", "humaneval")  # the table's tokens-per-pass columns, by set
 LLAMA_SLOT = 8192 // 8  # tokens a llama-server slot holds (-c 8192 over -np 8, below)
 
 
@@ -124,9 +127,9 @@ def add_sharegpt(data: Path, config: str, n: int, max_tokens: int) -> int:
 
 def by_set(summary: dict) -> dict[str, list[int]]:
     """A run's [output tokens, target passes] by prompt set, from its requests by category."""
-    sums: dict[str, list[int]] = {s: [0, 0] for s in SETS}
+    sums: dict[str, list[int]] = {s: [0, 0] for s in COLUMNS}
     for cat, c in (summary.get("by_category") or {}).items():
-        s = cat if cat in ("humaneval", "sharegpt-e") else "mt-bench"
+        s = set_of(cat)
         sums[s][0] += c["output_tokens"]
         sums[s][1] += c["passes"] or 0
     return sums
@@ -135,7 +138,7 @@ def by_set(summary: dict) -> dict[str, list[int]]:
 def tau_by_set(rows: list[dict]) -> list[float | None]:
     """Output tokens per target pass by prompt set over ``rows`` (None: no pass counted)."""
     out = []
-    for s in SETS:
+    for s in COLUMNS:
         tokens, passes = (sum(r["by_set"][s][i] for r in rows) for i in (0, 1))
         out.append(tokens / passes if passes else None)
     return out

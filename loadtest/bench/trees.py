@@ -38,6 +38,11 @@ from loadtest.bench.eagle import fitting_prompts
 SETS = ("mt-bench", "humaneval", "sharegpt-e")
 
 
+def set_of(category: str) -> str:
+    """The prompt set of a prompt's category (MT-Bench's are writing, coding, ...)."""
+    return category if category in ("humaneval", "sharegpt-e") else "mt-bench"
+
+
 def shape(text: str) -> tuple[int, int, int]:
     """``K``, ``K+L`` or ``K+LxB`` (``a`` for K: the adaptive controller, with up to L
     leaves; ``xB``: the leaves from EAGLE-2's expansion with top B, drafter.tree_topk)."""
@@ -159,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.warm_up()
     room = engine.target.max_len - args.max_tokens - 17  # with the answer and a verify of 16
     pairs = fitting_prompts(tok, args.per_category, args.humaneval, args.sharegpt, room)
-    sets = [
-        "sharegpt-e" if p.category == "sharegpt-e" else
-        "humaneval" if p.category == "humaneval" else "mt-bench"
-        for p, _ in pairs
-    ]  # fmt: skip
+    sets = [set_of(p.category) for p, _ in pairs]
     ids = [i for _, i in pairs]
     result: dict = {"prompts": {s: sets.count(s) for s in SETS}, "runs": [], "verify": []}
     reference = None

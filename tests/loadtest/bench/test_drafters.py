@@ -8,7 +8,7 @@ import pytest
 from engine.builder import make_controller
 from engine.config import EngineConfig
 from engine.kcontrol.controller import FixedK
-from loadtest.bench.drafters import SETS, by_set, configs, llama_runs, tau_by_set
+from loadtest.bench.drafters import COLUMNS, by_set, configs, llama_runs, tau_by_set
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -84,6 +84,6 @@ def test_tokens_per_pass_by_set_sums_each_sets_categories_over_the_runs():
         {"by_set": by_set(summary(writing=(10, 5), coding=(20, 5), humaneval=(9, 3)))},
         {"by_set": by_set(summary(writing=(30, 10), **{"sharegpt-e": (8, 4)}))},
     ]
-    assert SETS == ("sharegpt-e", "mt-bench", "humaneval")
+    assert COLUMNS == ("sharegpt-e", "mt-bench", "humaneval")
     assert tau_by_set(rows) == [2.0, 60 / 20, 3.0]
     assert tau_by_set([{"by_set": by_set(summary(humaneval=(9, 0)))}]) == [None, None, None]
