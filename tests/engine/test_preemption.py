@@ -67,7 +67,9 @@ def test_preempted_sequences_decode_as_plain_greedy(models, drafter, cache):
 def test_a_storm_of_preemptions_and_aborts_leaks_nothing(models):
     """Random arrivals, aborts and preemptions (EAGLE-3 head, prefix cache, sampled and greedy,
     prompt logprobs): in the end every slot is free, the drafter holds no state, the budget is
-    whole, and every request that asked for its prompt's logprobs got them once."""
+    whole, and every request that asked for its prompt's logprobs got them once (at most once if
+    aborted), one per prompt token, each the model's own over the whole prompt, though prompts
+    were preempted mid-prefill and their blocks were in the prefix cache."""
     target = tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN, sharpen=4.0)
     e = engine_for(
         target,
@@ -77,37 +79,90 @@ def test_a_storm_of_preemptions_and_aborts_leaks_nothing(models):
         prefix_cache=128,
         kv_budget=160,
         head=echo_head(target),
+        chunk=8,  # prompts prefill over several steps, so some are preempted in the middle
     )
+    sched, real = e.scheduler, e.scheduler.preempt
+    cut: list = []  # the scored prompts preempted with their prefill (and scores) half done
+
+    def preempt(s):
+        if s in sched.prefilling and s.prompt_logprobs:
+            cut.append(s)
+        real(s)
+
+    sched.preempt = preempt
     rng = random.Random(3)
-    scores: dict[str, int] = {}
-    live: list[str] = []
+    scores: dict[str, list] = {}  # every prompt_logprobs a request was sent
+    asked: dict[str, list[int]] = {}  # the prompts of the requests that asked for them
+    seqs, live, aborted = {}, [], set()
     for i in range(40):
         if rng.random() < 0.7:
             rid = f"r{i}"
             p = SamplingParams(
                 temperature=rng.choice([0.0, 0.9]),
                 max_tokens=rng.randint(1, 60),
-                prompt_logprobs=1 if rng.random() < 0.2 else None,
+                prompt_logprobs=1 if rng.random() < 0.4 else None,
                 seed=i,
             )
-            e.add_request(rid, prompts(1, e.vocab_size, rng.randint(5, 50))[0], p, SpecParams(k=3))
+            # prompts drawn from a few: later ones start on earlier ones' cached blocks
+            prompt = prompts(1 + i % 3, e.vocab_size, rng.randint(5, 50))[i % 3]
+            seqs[rid] = e.add_request(rid, prompt, p, SpecParams(k=3))
+            if p.prompt_logprobs is not None:
+                asked[rid] = prompt
             live.append(rid)
-            scores[rid] = 0
+            scores[rid] = []
         elif live:
-            e.abort(live.pop(rng.randrange(len(live))))
+            rid = live.pop(rng.randrange(len(live)))
+            aborted.add(rid)
+            e.abort(rid)
         for out in e.step():
             if out.prompt_logprobs is not None:
-                scores[out.request_id] += 1
+                scores[out.request_id].append(out.prompt_logprobs)
     while e.has_work():
         for out in e.step():
             if out.prompt_logprobs is not None:
-                scores[out.request_id] += 1
-    assert e.load().preemptions > 0
+                scores[out.request_id].append(out.prompt_logprobs)
+    assert e.load().preemptions > 0 and e.load().prefix_hits > 0
     assert e.target.cache.num_free() == 4 and e.target.cache.used_tokens() == 0
     assert e.scheduler.room() == 160
     inner = e.drafter.inner if hasattr(e.drafter, "inner") else e.drafter
     assert not inner.pending and not inner.real and inner.cache.num_free() == 4
-    assert all(n <= 1 for n in scores.values())
+    assert all(len(sent) <= 1 for sent in scores.values())
+    assert all(not scores[r] for r in scores if r not in asked)
+    done = [r for r in asked if r not in aborted]
+    assert done and all(len(scores[r]) == 1 for r in done)
+    assert cut and any(s.output_ids and s.preemptions for s in map(seqs.get, asked))
+    for rid, prompt in asked.items():
+        for sent in scores[rid]:
+            with torch.no_grad():
+                ref = torch.log_softmax(target(torch.tensor([prompt])).logits[0].float(), -1)
+            assert len(sent) == len(prompt) and sent[0] is None
+            got = torch.tensor([lp.logprob for lp in sent[1:]])
+            want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_the_latest_admitted_pays_under_memory_pressure(models):
+    """When the running sequences outgrow the budget, the one admitted last is preempted (it has
+    the least work to recompute), never an older one: at every preemption the victim is the
+    holder admitted latest, and the first admitted, always the oldest holder, runs through
+    without losing its KV. Negative control: preemptions happened with older holders beside the
+    victim, so a scheduler that preempted the oldest (or any other) would fail here."""
+    e = engine_for(models, "ngram", slots=4, max_len=MAX_LEN, kv_budget=MAX_LEN)
+    sched, real = e.scheduler, e.scheduler.preempt
+    seen: list[tuple[float, list[float]]] = []  # (victim's admission, every holder's)
+
+    def preempt(s):
+        holders = [h.admitted or 0.0 for h in (*sched.running, *sched.prefilling)]
+        seen.append((s.admitted or 0.0, holders))
+        real(s)
+
+    sched.preempt = preempt
+    ps = prompts(4, e.vocab_size)
+    got = e.generate(ps, GREEDY, SpecParams(k=3))
+    assert seen and e.load().preemptions == len(seen)
+    assert all(victim == max(holders) for victim, holders in seen)
+    assert any(min(holders) < victim for victim, holders in seen)  # an older one was there
+    assert got[0].preemptions == 0 and sum(s.preemptions for s in got[1:]) == len(seen)
 
 
 def test_a_budget_below_one_context_is_refused(models):

@@ -116,3 +116,40 @@ def test_deterministic_hits_are_bit_identical_to_a_recompute(models):
     assert sum(s.cached_tokens for s in hit) > 0 and sum(s.cached_tokens for s in miss) == 0
     assert [s.output_ids for s in hit] == [s.output_ids for s in miss]
     assert logprobs[0] == logprobs[1]  # bit-identical floats, every token and alternative
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_deterministic_and_ordinary_requests_keep_their_blocks_apart(models, layout):
+    """``deterministic: request``: ordinary and deterministic requests of one prompt through one
+    engine, alone and side by side in one batch. A deterministic request never starts on blocks
+    an ordinary forward computed (their rounding may differ), only on blocks of batch-invariant
+    forwards, and then answers bit-identically to a recompute; an ordinary request starts on the
+    ordinary blocks. Negative control: each kind does hit its own kind's blocks, so the misses
+    are the salt's, not a cold cache."""
+    logprobs = {"logprobs": 2, "temperature": 0, "max_tokens": 8, "ignore_eos": True}
+    plain, det = SamplingParams(**logprobs), SamplingParams(**logprobs, deterministic=True)
+    e = engine_for(models, "ngram", slots=4, max_len=256, prefix_cache=256, kv_layout=layout)
+    e.deterministic = "request"
+    fresh = engine_for(models, "ngram", slots=4, max_len=256, kv_layout=layout)
+    fresh.deterministic = "request"
+    prompt = user_turn(7, 40)  # 2 full blocks, and the rest
+
+    def ask(engine, params_list):
+        lps: dict = {}
+
+        def record(outs):
+            for o in outs:
+                lps.setdefault(o.request_id, []).append((o.logprobs, o.top_logprobs))
+
+        seqs = engine.generate([prompt] * len(params_list), params_list, SpecParams(k=3), record)
+        return [(s.cached_tokens, s.output_ids, lps[s.request_id]) for s in seqs]
+
+    (recompute,) = ask(fresh, [det])  # no cache: every position computed invariantly
+    (o1,) = ask(e, [plain])  # caches the prompt's blocks under the ordinary root
+    (d1,) = ask(e, [det])
+    (d2,) = ask(e, [det])
+    o2, d3 = ask(e, [plain, det])  # side by side: one batch (the invariant forward)
+    assert o1[0] == 0 and d1[0] == 0  # the ordinary blocks did not serve the deterministic one
+    assert d2[0] == 32 and d3[0] == 32 and o2[0] == 32  # each kind's own blocks served it
+    assert d1 == (0, *recompute[1:]) and d2[1:] == d3[1:] == recompute[1:]  # bit-identical
+    assert o2[1] == o1[1] == recompute[1]  # fp32: the greedy tokens agree

@@ -108,3 +108,49 @@ def chat_over(c: httpx.Client, messages) -> tuple[str, dict]:
     r = c.post("/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+
+
+def usage_of(c, route: str, body: dict, stream: bool) -> dict:
+    """The usage of one request to ``route``, streamed (the usage chunk) or not."""
+    if not stream:
+        r = c.post(route, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with c.stream("POST", route, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                usage = json.loads(line[6:]).get("usage") or usage
+    assert usage is not None
+    return usage
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_tokens_count_each_prompt_once(live, built, stream):
+    """``usage.prompt_tokens_details.cached_tokens`` counts a prompt's cached tokens once, as
+    ``prompt_tokens`` counts its tokens: the n choices of a chat request report what one choice
+    does, and a /v1/completions request of several prompts reports each prompt's own. The
+    controls: the hits are real (cached > 0) and the choices and prompts are several."""
+    with TestClient(make_app(built, live.worker)) as c:
+        messages = [{"role": "user", "content": opening()}]
+        chat_body = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0.7}
+        usage_of(c, "/v1/chat/completions", chat_body, stream)  # caches the prompt
+        one = usage_of(c, "/v1/chat/completions", chat_body, stream)
+        three = usage_of(c, "/v1/chat/completions", chat_body | {"n": 3}, stream)
+        cached = one["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 0 and three["prompt_tokens"] == one["prompt_tokens"]
+        assert three["prompt_tokens_details"]["cached_tokens"] == cached
+
+        a, b = opening(), opening()
+        body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+        alone = {}
+        for p in (a, b):  # each prompt cached, then its own hit measured alone
+            usage_of(c, "/v1/completions", body | {"prompt": p}, stream)
+            alone[p] = usage_of(c, "/v1/completions", body | {"prompt": p}, stream)
+        both = usage_of(c, "/v1/completions", body | {"prompt": [a, b], "n": 2}, stream)
+    assert all(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in alone.values())
+    assert both["prompt_tokens"] == sum(u["prompt_tokens"] for u in alone.values())
+    want = sum(u["prompt_tokens_details"]["cached_tokens"] for u in alone.values())
+    assert both["prompt_tokens_details"]["cached_tokens"] == want

@@ -63,3 +63,34 @@ def test_scoring_does_not_change_generation(model):
     assert plain == scored and none == []
     assert len(firsts) == 1 and len(firsts[0].prompt_logprobs) == len(PROMPT)
     assert all(lp.top == [] for lp in firsts[0].prompt_logprobs[1:])
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_a_cached_prompt_is_scored_whole(model, layout):
+    """A prompt whose blocks are in the prefix cache (a request without scores cached them) is
+    still scored at every position when a request asks for its logprobs: as many scores as
+    prompt tokens, each the model's own, and the same output. Negative control: the blocks were
+    there (a later request without scores starts on them)."""
+    prompt = [(7 * i + 3) % 47 + 1 for i in range(40)]  # 2 full blocks of 16, and the rest
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)  # [T, V]
+    engine = engine_for(model, None, slots=2, max_len=64, prefix_cache=64, kv_layout=layout)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (first,) = engine.generate([prompt], greedy)
+    scored_params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    sent: list = []
+    (scored,) = engine.generate(
+        [prompt],
+        scored_params,
+        on_step=lambda outs: sent.extend(o.prompt_logprobs for o in outs if o.prompt_logprobs),
+    )
+    (again,) = engine.generate([prompt], greedy)
+    assert first.cached_tokens == 0 and again.cached_tokens == 32  # the cache held the prompt
+    assert scored.output_ids == first.output_ids == again.output_ids
+    (scores,) = sent
+    assert len(scores) == len(prompt) and scores[0] is None
+    got = torch.tensor([lp.logprob for lp in scores[1:]])
+    torch.testing.assert_close(
+        got, ref[torch.arange(39), torch.tensor(prompt[1:])], atol=1e-5, rtol=0
+    )
+    assert [[t for t, _ in lp.top] for lp in scores[1:]] == ref[:-1].topk(2).indices.tolist()
