@@ -23,9 +23,9 @@ from engine.model.loader import default_cache_dir, load_model
 from engine.model.quant import native_q4
 from engine.model.runner import ModelRunner
 from engine.model.weights import ModelWeights
-from engine.round.grammar import GrammarCompiler
 from engine.round.rejection import rejection_sample
 from engine.round.speculator import AcceptRule
+from engine.sampling.grammar import GrammarCompiler
 
 log = logging.getLogger("specd.builder")
 
@@ -76,7 +76,8 @@ def make_controller(d, drafter) -> KController:
     raise ValueError(f"unknown drafter.controller {d.controller!r} (adaptive, heuristic, fixed)")
 
 
-# what a head's Hub repository must give: its config and weights in either format (eagle_head.py)
+# what a head's Hub repository must give: its config and weights in either format
+# (drafters/eagle/head.py)
 HEAD_FILES = ["config.json", "*.safetensors", "pytorch_model*.bin"]
 
 
@@ -209,8 +210,9 @@ def make_drafter(
         drafter = eagle = eagle_drafter(d.source, model, runner, head, tree_topk(d), d.k_max)
         if d.head_q4:
             eagle.use_q4()
-        # the head's step compiled too: on CPU inductor's guardless graphs (eagle_step.py),
-        # which CUDA does not run (fast_forward.fast_mode); there CUDA graphs (eagle_graphs.py)
+        # the head's step compiled too: on CPU inductor's guardless graphs
+        # (drafters/eagle/step.py), which CUDA does not run (fast_path.fast_mode); there CUDA
+        # graphs (drafters/eagle/graphs.py)
         if cfg.compile.enabled and runner.device.type == "cpu":
             eagle.compile(cfg.compile.backend)
         elif cfg.compile.enabled and fast_mode(cfg.compile, runner.device) == "cuda-graphs":
@@ -240,18 +242,18 @@ def make_engine(
         runner,
         drafter,
         eos,
-        cfg.max_prefill_per_step,
-        cfg.prefill_chunk_tokens,
-        controller if controller is not None else make_controller(d, drafter),
-        d.k_max,
-        cfg.max_slots_per_request,
-        grammars,
-        cfg.deterministic,
-        accept,
-        cfg.prefix_cache_tokens,
-        cfg.prefix_block_size,
-        cfg.kv_cache_tokens,
-        cfg.bulk_slots,
+        max_prefill_per_step=cfg.max_prefill_per_step,
+        prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+        controller=controller if controller is not None else make_controller(d, drafter),
+        k_max=d.k_max,
+        max_slots_per_request=cfg.max_slots_per_request,
+        grammars=grammars,
+        deterministic=cfg.deterministic,
+        accept=accept,
+        prefix_cache_tokens=cfg.prefix_cache_tokens,
+        prefix_block_size=cfg.prefix_block_size,
+        kv_cache_tokens=cfg.kv_cache_tokens,
+        bulk_slots=cfg.bulk_slots,
     )
 
 

@@ -54,7 +54,7 @@ class DrafterConfig:
     # eagle3 only: rows whose last ``ngram_fallback`` (.. ngram_max) tokens occurred before copy
     # what followed them instead of asking the head (drafters/hybrid.py); 0 = the head only
     ngram_fallback: int = 0
-    # eagle3 only: the head's matrices 4-bit at load (drafters/eagle_q4.py; CPU below float32)
+    # eagle3 only: the head's matrices 4-bit at load (drafters/eagle/q4.py; CPU below float32)
     head_q4: bool = False
     # how K is chosen each round (engine/kcontrol/controller.py): adaptive (goodput rule) |
     # heuristic (transformers' +2/-1 schedule, starting at k) | fixed (always k)
@@ -90,7 +90,7 @@ class EngineConfig:
     # round's cost grows with its rows (CPU); None: no such cap
     bulk_slots: int | None = None
     prefill_chunk_tokens: int = 512  # prompt tokens prefilled per engine step (chunked prefill)
-    # automatic prefix caching (engine/model/prefix_cache.py): the K/V of this many positions
+    # automatic prefix caching (engine/kv/prefix_cache.py): the K/V of this many positions
     # kept for prompts that start the same (a conversation's next turn); 0: off
     prefix_cache_tokens: int = 16384
     prefix_block_size: int = 16  # positions a cached block holds
@@ -98,8 +98,8 @@ class EngineConfig:
     # the latest admitted is preempted and recomputed later); None: max_running x max_model_len
     kv_cache_tokens: int | None = None
     # the target's KV cache: "slots", a slot of max_model_len positions per running sequence
-    # (on CPU resident only where written: engine/model/kv_cache.py), or "paged", one pool of
-    # blocks sized by kv_cache_tokens with a block table per sequence (engine/model/paged_kv.py:
+    # (on CPU resident only where written: engine/kv/kv_cache.py), or "paged", one pool of
+    # blocks sized by kv_cache_tokens with a block table per sequence (engine/kv/paged_kv.py:
     # for CUDA, where a slot's memory is resident whole)
     kv_layout: str = "slots"
     max_queued: int = 64  # requests waiting beyond max_running; more are refused (HTTP 429)

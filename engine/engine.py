@@ -7,7 +7,7 @@
                   logits and joins the running batch (or, with
                   max_tokens = 0, finishes: its prompt scored, prompt_logprobs.py). Choices of
                   one request with the same prompt share one prefill (scheduler.py).
-  3. round     -- one speculative round over every running sequence (round.py).
+  3. round     -- one speculative round over every running sequence (round/speculator.py).
   4. outputs   -- each request's new tokens (with logprobs / stats) as :class:`StepOutput`.
 
 The engine is single-threaded: only the thread that drives ``step()`` touches it (worker.py).
@@ -26,20 +26,20 @@ import torch
 from engine.drafters.base import Drafter
 from engine.drafters.guard import GuardedDrafter
 from engine.kcontrol.controller import AdaptiveK, FixedK, KController
-from engine.model.kv_cache import SlotKVCache
-from engine.model.paged_kv import PagedKVCache
-from engine.model.paged_prefix import PagedPrefixCache
-from engine.model.prefix_cache import PrefixCache
+from engine.kv.kv_cache import SlotKVCache
+from engine.kv.paged_kv import PagedKVCache
+from engine.kv.paged_prefix import PagedPrefixCache
+from engine.kv.prefix_cache import PrefixCache
 from engine.model.runner import ModelRunner
 from engine.protocol import EngineLoad
+from engine.records.output import StepOutput
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import Sequence
 from engine.requests.prefill import run_chunks
 from engine.requests.scheduler import PrefillChunk, Scheduler
-from engine.requests.sequence import Sequence, SpecParams
-from engine.round.grammar import GrammarCompiler
-from engine.round.output import StepOutput
 from engine.round.rejection import rejection_sample
-from engine.round.sampling import SamplingParams
 from engine.round.speculator import AcceptRule, Speculator
+from engine.sampling.grammar import GrammarCompiler
 
 __all__ = ["EngineLoad", "SpecEngine", "StepOutput"]
 
@@ -50,6 +50,7 @@ class SpecEngine:
         target: ModelRunner,
         drafter: Drafter | None,
         eos_token_ids: list[int],
+        *,
         max_prefill_per_step: int = 4,
         prefill_chunk_tokens: int = 512,
         controller: KController | None = None,
@@ -65,9 +66,9 @@ class SpecEngine:
     ):
         """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
         builds the engine with a synthetic one (then not lossless: the worker refuses it).
-        ``prefix_cache_tokens``: the prefix cache's size (engine/model/prefix_cache.py; 0: off),
+        ``prefix_cache_tokens``: the prefix cache's size (engine/kv/prefix_cache.py; 0: off),
         in blocks of ``prefix_block_size`` positions; over a paged cache, nonzero turns on
-        caching in its own blocks (engine/model/paged_prefix.py: the builder sized its pool).
+        caching in its own blocks (engine/kv/paged_prefix.py: the builder sized its pool).
         ``kv_cache_tokens``: the KV positions the running sequences may hold in all (None:
         every slot its ``max_len``); at least one sequence's ``max_len``. ``bulk_slots``: the
         slots a request of many sequences holds while a smaller one is in the engine
@@ -96,9 +97,9 @@ class SpecEngine:
             target.cache,
             target.max_len,
             tuple(eos_token_ids),
-            max_prefill_per_step,
-            prefill_chunk_tokens,
-            max_slots_per_request,
+            max_prefill_per_step=max_prefill_per_step,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            max_slots_per_group=max_slots_per_request,
             on_release=self.guard.remove if self.guard is not None else None,
             prefix=prefix,
             invariant=lambda s: self._invariant([s]),
@@ -268,14 +269,12 @@ class SpecEngine:
 
     def forward_paths(self) -> dict[str, str]:
         """The path each forward takes now, by component: ``target``, ``draft`` (a draft
-        model's runner), ``head`` (the drafter's own step): see fast_path.path_of and the
+        model's runner), ``head`` (the drafter's own step): see ModelRunner.path and the
         drafters' ``own_path``. A compile or capture that failed shows here as ``eager``."""
-        from engine.model.fast_path import path_of
-
-        paths = {"target": path_of(self.target)}
+        paths = {"target": self.target.path()}
         draft = self.drafter.runner if self.drafter is not None else None
         if draft is not None:
-            paths["draft"] = path_of(draft)
+            paths["draft"] = draft.path()
         own = self.drafter.own_path() if self.drafter is not None else None
         if own is not None:
             paths["head"] = own

@@ -7,9 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.requests.sequence import SpecParams
-from engine.round.output import StepOutput
-from engine.round.sampling import SamplingParams
+from engine.records.output import StepOutput
+from engine.records.params import SamplingParams, SpecParams
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from engine.requests.sequence import SpecParams
+from engine.records.params import SpecParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.gpu import K_MAX, PLAIN, Bench
 

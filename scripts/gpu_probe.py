@@ -195,7 +195,14 @@ def main(argv=None) -> None:
 
     def stack(group_fn=None, runner=runner):
         return lambda: runner.layers_forward(
-            ids, pos, write_pos, rows, kv_idx, 0, group_fn, a.layers if group_fn else None
+            ids,
+            pos,
+            write_pos,
+            rows,
+            kv_idx,
+            0,
+            group_fn=group_fn,
+            group_size=a.layers if group_fn else None,
         )
 
     def measure(name, fn):

@@ -19,8 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.round.grammar import GrammarCompiler
-from engine.worker.worker import EngineWorker
+from engine.api import EngineWorker, GrammarCompiler
 
 from . import protocol as P
 from .convert import EngineCapacity, check_model

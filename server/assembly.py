@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from fastapi import FastAPI
 
-from engine.worker.worker import EngineWorker
+from engine.api import EngineWorker
 
 from .app import create_app
 from .convert import EngineCapacity
@@ -31,7 +31,7 @@ from .settings import ServerSettings
 from .transport import uvicorn_config
 
 if TYPE_CHECKING:
-    from engine.builder import Built
+    from engine.api import Built
 
 log = logging.getLogger("specd.server")
 STARTUP_TIMEOUT_S = 60.0

@@ -98,7 +98,7 @@ def chat_template(value: str) -> str:
 
 
 def _config(args):
-    from engine.config import EngineConfig
+    from engine.api import EngineConfig
 
     cfg = EngineConfig.from_yaml(args.config)
     model = _env_or(args, "model")
@@ -169,7 +169,7 @@ def _config(args):
 def cmd_serve(args) -> int:
     import logging
 
-    from engine.builder import build_engine
+    from engine.api import build_engine
 
     from .assembly import assemble
     from .settings import ServerSettings, load_config_file, unknown_env
@@ -211,14 +211,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from engine.model.loader import prepare
+    from engine.api import prepare
 
     cfg = _config(args)
     print(prepare(cfg.model.source, cfg.cache_dir))
     if cfg.drafter.method == "model" and cfg.drafter.source:
         print(prepare(cfg.drafter.source, cfg.cache_dir))
     if cfg.compile.enabled:  # compile the forward once too: `serve` then loads inductor's cache
-        from engine.builder import build_engine
+        from engine.api import build_engine
 
         build_engine(cfg).engine.warm_up()
         print(f"compiled the forward into {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}")
@@ -226,9 +226,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from engine.builder import build_engine
-    from engine.requests.sequence import SpecParams
-    from engine.round.sampling import SamplingParams
+    from engine.api import SamplingParams, SpecParams, build_engine
 
     cfg = _config(args)
     built = build_engine(cfg)

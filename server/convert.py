@@ -4,10 +4,11 @@ Which defaults win, field by field: a value set in the request, else the server 
 default (``default_max_tokens``, ``default_temperature``, ``default_top_p``), else OpenAI's default
 (temperature 1, top_p 1, no top-k; max_tokens 16 for /v1/completions and "the rest of the context"
 for chat). Speculation: the request's ``speculation`` extension (a fixed ``k``, or a ``k_max``
-cap on the controller; either above the server's ``spec_k_max`` is refused), else the engine's
-K controller (config ``drafter.controller``, adaptive by default) capped at ``spec_k_max``.
-A temperature below 1e-5 decodes greedily (as vLLM does: dividing logits by it overflows);
-``top_k`` above the vocabulary means no top-k.
+cap on the controller; either above the cap is refused, the cap being the server's
+``spec_k_max`` or the engine's K_max (``drafter.k_max``), the lower; ``method`` the config's
+drafter name, or ``draft`` for any model-based drafter), else the engine's K controller (config
+``drafter.controller``, adaptive by default) capped so. A temperature below 1e-5 decodes
+greedily (engine/records/params.py); ``top_k`` above the vocabulary means no top-k.
 
 Everything specd cannot honour is refused here with a 400 that names the field.
 """
@@ -20,9 +21,7 @@ from typing import Any, Protocol
 
 from jinja2 import TemplateError
 
-from engine.requests.sequence import SpecParams
-from engine.round.grammar import GrammarCompiler
-from engine.round.sampling import SamplingParams
+from engine.api import GrammarCompiler, SamplingParams, SpecParams
 
 from .errors import APIError, bad
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -31,7 +30,6 @@ from .structured import grammar_for
 from .tools import ToolMode, rendered, system_prompt, tool_mode
 
 log = logging.getLogger("specd.server")
-MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -95,11 +93,13 @@ def _stops(req: _Sampling, s: ServerSettings) -> list[str]:
 
 def _spec(req: _Sampling, s: ServerSettings, capacity: EngineCapacity) -> SpecParams:
     o = req.speculation
-    if o is None:  # the engine's controller chooses K (adaptive by default), at most spec_k_max
-        return SpecParams(enabled=capacity.drafter != "none", k=None, k_max=s.spec_k_max)
-    if o.method is not None:
-        configured = "ngram" if capacity.drafter == "ngram" else "draft"
-        if capacity.drafter == "none" or o.method != configured:
+    cap = min(s.spec_k_max, capacity.k_max)  # the server's cap, never past the engine's K_max
+    if o is None:  # the engine's controller chooses K (adaptive by default), at most the cap
+        return SpecParams(enabled=capacity.drafter != "none", k=None, k_max=cap)
+    if o.method is not None:  # the config's name, or "draft" for any model-based drafter
+        model_based = capacity.drafter not in ("ngram", "none")
+        named = o.method == capacity.drafter or (o.method == "draft" and model_based)
+        if capacity.drafter == "none" or not named:
             raise bad(
                 f"speculation.method {o.method!r} is not available on this server "
                 f"(configured drafter: {capacity.drafter})",
@@ -107,9 +107,9 @@ def _spec(req: _Sampling, s: ServerSettings, capacity: EngineCapacity) -> SpecPa
             )
     for name in ("k", "k_max"):
         v = getattr(o, name)
-        if v is not None and v > s.spec_k_max:
-            raise bad(f"speculation.{name} must be <= {s.spec_k_max}", f"speculation.{name}")
-    k_max = o.k_max if o.k_max is not None else s.spec_k_max
+        if v is not None and v > cap:
+            raise bad(f"speculation.{name} must be <= {cap}", f"speculation.{name}")
+    k_max = o.k_max if o.k_max is not None else cap
     enabled = (
         (o.enabled if o.enabled is not None else True)
         and capacity.drafter != "none"
@@ -153,8 +153,6 @@ def _params(
         if req.temperature is not None
         else (s.default_temperature if s.default_temperature is not None else 1.0)
     )
-    if temperature < MIN_TEMPERATURE:
-        temperature = 0.0
     top_p = (
         req.top_p
         if req.top_p is not None

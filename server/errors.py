@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.worker.worker import DrainTimeoutError, EngineError, NotAcceptingError, QueueFullError
+from engine.api import DrainTimeoutError, EngineError, NotAcceptingError, QueueFullError
 
 log = logging.getLogger("specd.server")
 

@@ -14,8 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.engine import StepOutput
-from engine.worker.worker import EngineError, EngineWorker, Reservation
+from engine.api import EngineError, EngineWorker, Reservation, StepOutput
 
 from .convert import Job
 from .metrics import Metrics

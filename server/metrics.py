@@ -10,7 +10,7 @@ Speculation (the terms are rejection.py's):
   specd_draft_tokens_total, specd_accepted_tokens_total
       acceptance rate = rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])
   specd_forced_tokens_total
-      tokens a grammar forced, drafted for free (engine/round/forced.py) and kept
+      tokens a grammar forced, drafted for free (engine/drafters/forced.py) and kept
   specd_tree_leaves_total, specd_tree_leaf_accepts_total
       a draft tree's leaves (the head's runners-up verified beside its chain,
       engine/round/draft_tree.py) and the rounds whose accepted path ended at one (its token is

@@ -16,7 +16,7 @@ from contextlib import aclosing
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
-from engine.worker.worker import EngineError, Reservation
+from engine.api import EngineError, Reservation
 
 from . import protocol as P
 from .errors import error_event, from_exception

@@ -18,8 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from engine.round.grammar import GrammarCompiler
-from engine.worker.worker import EngineWorker
+from engine.api import EngineWorker, GrammarCompiler
 
 from . import protocol as P
 from .convert import EngineCapacity, Job, chat_job, check_model, completion_job

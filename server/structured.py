@@ -1,5 +1,5 @@
 """Structured outputs: the request's ``response_format`` (OpenAI's) or ``structured_outputs``
-(the vLLM-style extension) as one llguidance grammar for the engine (engine/round/grammar.py),
+(the vLLM-style extension) as one llguidance grammar for the engine (engine/sampling/grammar.py),
 checked against the tokenizer before admission (a grammar that cannot compile answers 400).
 
 JSON is generated compact (no free whitespace between tokens): a small model given the freedom
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from engine.round.grammar import GrammarCompiler
+from engine.api import GrammarCompiler
 
 from .errors import bad
 from .protocol import _Sampling

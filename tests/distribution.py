@@ -3,7 +3,7 @@
 
 Enumerator (:func:`exact_joint`): P(output | prompt) of every output of at most ``n_tokens``
 tokens, level by level (one batched forward of transformers' own model per level), with
-temperature / top-k / top-p as engine/round/sampling.py applies them and an optional ``process``
+temperature / top-k / top-p as engine/sampling/probs.py applies them and an optional ``process``
 (penalties, a grammar mask) before them; an output ends early at a ``stop`` token.
 
 Pass rule (:func:`fit`): the output tree, node by node. At every prefix h the draws reached at
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.round.sampling import logits_to_probs
+from engine.sampling.probs import logits_to_probs
 
 ALPHA = 1e-3  # significance of the test: a right engine fails one run in a thousand
 MIN_AT_PREFIX = 20  # draws a prefix needs before its next-token counts are tested
@@ -38,7 +38,7 @@ Process = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 def target_probs(model, ids: list[int], temperature: float, top_k: int = 0, top_p: float = 1.0):
     """The target's processed next-token distribution after ``ids`` (transformers' own forward,
-    then temperature / top-k / top-p as engine/round/sampling.py applies them): [vocab] float64."""
+    then temperature / top-k / top-p as engine/sampling/probs.py applies them): [vocab] float64."""
     with torch.no_grad():
         logits = model(torch.tensor([ids], device=model.device)).logits[:, -1:].float().cpu()
     probs = logits_to_probs(

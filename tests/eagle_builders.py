@@ -12,8 +12,7 @@ from engine.drafters.eagle.head import Eagle3Head, HeadConfig, default_aux_layer
 from engine.drafters.eagle.step import HeadStep
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import FixedK
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 
 VOCAB, HIDDEN, LAYERS = 16, 64, 4

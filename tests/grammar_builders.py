@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.round.grammar import GrammarCompiler
+from engine.sampling.grammar import GrammarCompiler
 from tests.helpers import engine_for
 
 

@@ -318,13 +318,13 @@ def spy_deep_paths(monkeypatch) -> list[int]:
     deep: list[int] = []
     settle = speculator.settle
 
-    def spy(t, path, num_acc, *rest):
+    def spy(t, path, num_acc, *rest, **kw):
         i = torch.arange(path.shape[1], device=path.device)[None]
         on = (i < num_acc[:, None]) & (path >= 0)
         node = torch.where(on, path, 0)
         par = t.parents.gather(1, node)
         deep.append(int((on & (node >= t.chain) & (par >= t.chain)).sum()))
-        return settle(t, path, num_acc, *rest)
+        return settle(t, path, num_acc, *rest, **kw)
 
     monkeypatch.setattr(speculator, "settle", spy)
     return deep

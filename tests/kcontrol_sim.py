@@ -7,8 +7,8 @@ import numpy as np
 
 from engine.kcontrol.controller import AdaptiveK
 from engine.kcontrol.cost import RoundCost
-from engine.requests.sequence import RoundStats, Sequence, SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import RoundStats, Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10**6)
 

@@ -84,8 +84,7 @@ def run(args: argparse.Namespace) -> None:
 
     from engine.builder import build_engine
     from engine.config import EngineConfig
-    from engine.requests.sequence import SpecParams
-    from engine.round.sampling import SamplingParams
+    from engine.records.params import SamplingParams, SpecParams
     from prompts.sets import Prompt, encode
 
     out = Path(args.out)

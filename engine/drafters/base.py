@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.requests.sequence import Sequence
+from engine.records.sequence import Sequence
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
-    from engine.round.plan import RoundPlan
+    from engine.records.plan import RoundPlan
 
 
 @dataclass

@@ -5,7 +5,7 @@ At position j the rows whose K is above j take one step of the drafter, which re
 there, and each row chooses its draft d_{j+1} from them (with q, the distribution it was drawn
 from, when a row samples). A row whose K is reached leaves the batch before the next step, so a
 step never computes a row that drafts no more. Grammar rows draft under their grammar's mask
-(:class:`~engine.round.grammar.DraftGrammar`), whose matchers are rolled back at the end.
+(:class:`~engine.sampling.grammar.DraftGrammar`), whose matchers are rolled back at the end.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import torch
 
 from engine.drafters.base import Proposal
-from engine.requests.sequence import Sequence
-from engine.round.grammar import DraftGrammar
-from engine.round.plan import RoundPlan
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
+from engine.sampling.grammar import DraftGrammar
 from engine.transfer import to_device
 
 

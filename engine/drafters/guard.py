@@ -16,8 +16,9 @@ from typing import TypeVar
 import torch
 
 from engine.drafters.base import Drafter, Proposal
-from engine.requests.sequence import Sequence, SpecParams
-from engine.round.plan import RoundPlan
+from engine.records.params import SpecParams
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
 
 log = logging.getLogger("specd.engine")
 T = TypeVar("T")

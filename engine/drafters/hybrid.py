@@ -3,8 +3,8 @@
 Each round, for every row that may draft (K > 0), the n-gram lookup (drafters/ngram.py) looks
 for the row's last ``min_match``..``max_n`` tokens earlier in its prompt + output. A row with
 such a match drafts the tokens that followed it, with a one-hot q (a deterministic draft); every
-other row is drafted by the EAGLE-3 head with its own q (drafters/eagle.py). Both are exact in
-the rejection rule, so the output stays the target's whatever each row takes.
+other row is drafted by the EAGLE-3 head with its own q (drafters/eagle/drafter.py). Both are
+exact in the rejection rule, so the output stays the target's whatever each row takes.
 
 The head keeps every row's state in step either way: a row drafted by n-gram leaves its target
 features pending, and the head takes them in the next time it drafts for that row (its
@@ -18,10 +18,10 @@ from dataclasses import replace
 
 from engine.drafters.base import DrafterBase, Proposal
 from engine.drafters.eagle.drafter import EagleDrafter
+from engine.drafters.forced import with_forced
 from engine.drafters.ngram import grammar_prefix, ngram_match
-from engine.requests.sequence import Sequence
-from engine.round.forced import with_forced
-from engine.round.plan import RoundPlan
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
 
 
 class HybridDrafter(DrafterBase):

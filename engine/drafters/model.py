@@ -18,10 +18,10 @@ import torch
 from engine.drafters.base import DrafterBase, Proposal
 from engine.drafters.chain import Position, RowParams, draft_chain
 from engine.model.runner import ModelRunner
-from engine.requests.sequence import Sequence
-from engine.round.grammar import DraftGrammar
-from engine.round.plan import RoundPlan
-from engine.round.sampling import logits_to_probs, race
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
+from engine.sampling.grammar import DraftGrammar
+from engine.sampling.probs import logits_to_probs, race
 
 ADD_TOKENS = 2048  # the most padded prompt tokens one admission forward of the draft model takes
 

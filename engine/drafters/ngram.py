@@ -8,8 +8,8 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.drafters.base import DrafterBase, Proposal
-from engine.requests.sequence import Sequence
-from engine.round.plan import RoundPlan
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
 from engine.transfer import to_device
 
 

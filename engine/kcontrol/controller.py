@@ -1,8 +1,8 @@
 """Choosing the draft length K: for every request, every round, by expected goodput.
 
 Terms (accepted, recovered, bonus, K) are defined in rejection.py; a request's acceptance rate α
-and match rate m are estimated in k_state.py; the round cost T(B, w) is measured and fitted in
-round_cost.py (calibrated at start-up by calibration.py). This module is the policy alone.
+and match rate m are estimated in engine/records/kstate.py; the round cost T(B, w) is measured
+and fitted in cost.py (calibrated at start-up by calibration.py). This module is the policy alone.
 
 The rule (:class:`AdaptiveK`)
 -----------------------------
@@ -41,7 +41,7 @@ nothing).
 
 Catch-up: a stateful drafter (a draft model, an EAGLE head) first takes in what its state missed,
 Σ_i backlog_i positions beyond one a row (drafters/base.py ``backlogs``, read after each commit),
-priced by the cost model (round_cost.py) and added once to T(B, w) for every w > 0, probes
+priced by the cost model (cost.py) and added once to T(B, w) for every w > 0, probes
 included (``price_catch_up``). Where catching up a skipped round costs more than ``probe_budget``
 of a round (a draft model, unbounded, at a large batch) no probe fits the budget and the batch
 stays plain until rows with a shorter backlog replace it; an EAGLE head keeps < 2·WINDOW.
@@ -68,12 +68,11 @@ import numpy as np
 from engine.kcontrol.calibration import calibrate
 from engine.kcontrol.cost import CostModel, RoundCost
 from engine.kcontrol.probe import Prober
-from engine.kcontrol.state import KState, leaf_reach
-from engine.round.draft_tree import may_grow
+from engine.records.kstate import KState, leaf_reach
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
-    from engine.requests.sequence import RoundStats, Sequence
+    from engine.records.sequence import RoundStats, Sequence
 
 
 def expected_tokens(alpha, match, ks: np.ndarray) -> np.ndarray:
@@ -207,6 +206,7 @@ class AdaptiveK(KController):
         self,
         k_max: int,
         steps_per_width=lambda w: w,
+        *,
         decay: float = 0.95,
         min_gain: float = 0.01,
         probe_interval: int = 2,
@@ -350,7 +350,7 @@ class AdaptiveK(KController):
         queries, T(B, K + L) - T(B, K), a tree round's own work (cost.py: t and K·h), and with
         an expansion its extra head rows in K - 1 draft steps, and add to a row that may grow
         one the chance that a round whose chain was cut short ends at a leaf,
-        m·(1 - α^K)·β·leaf_reach(L) (state.py):
+        m·(1 - α^K)·β·leaf_reach(L) (records/kstate.py):
         the (K, L) of best goodput with K + L <= K_max, where it beats the chains' ``best`` by
         the factor 1 + ``min_gain``. Sets ``_leaves_next``; returns K*."""
         a, m, cap, beta = (np.array(c) for c in zip(*self._adaptive))
@@ -380,3 +380,12 @@ class AdaptiveK(KController):
             if gp[i] > best_gp:
                 top, best_gp, self._leaves_next = k, float(gp[i]), int(n_k[i])
         return top
+
+
+def may_grow(seq: Sequence) -> bool:
+    """Whether a row may be verified as a tree: not under a grammar, penalties or logit bias
+    (their processing reads a row's drafts as a chain: penalties.py, grammar.py), nor seeded (a
+    seeded row's draws follow its own K alone: plan.py) or deterministic (the batch-invariant
+    forward verifies chains)."""
+    p = seq.params
+    return seq.matcher is None and not p.penalized and p.seed is None and not p.deterministic

@@ -5,7 +5,7 @@ At K* = 0 nothing is observed, and α could never recover when the text turns pr
 ``interval`` rounds at K* = 0, one round drafts ``k`` tokens for every adaptive row, spaced
 further apart where a probe round costs more than ``budget`` of the rounds between two probes
 (its extra cost over a plain round, priced by the cost model with the drafter's catch-up).
-(Besides, each round at K = 0 ages a row's evidence, k_state.py, so an estimate that stopped
+(Besides, each round at K = 0 ages a row's evidence, records/kstate.py, so an estimate that stopped
 drafting at a dip returns towards the prior instead of waiting for a probe.)
 
 Backoff, for batches of two rows or more: after ``GRACE`` probes in a row after which K* stayed

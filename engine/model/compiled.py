@@ -46,7 +46,7 @@ from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import to_device
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
+    from engine.model.stack import Stack
 
 log = logging.getLogger("specd.fast_forward")
 
@@ -103,7 +103,7 @@ class FastForward:
     # graphs record their mask from static inputs, does not run this __init__)
     takes_trees = True
 
-    def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
+    def __init__(self, runner: Stack, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
         cache = runner.cache
         self.cuda_graphs = cfg.mode == "reduce-overhead"
@@ -126,7 +126,7 @@ class FastForward:
         # the compiled layer groups, called as the eager layer_group is
         self.graphs = GroupGraphs(cfg.backend, mode, self.dynamic, self.full_kv)
 
-    def _buckets(self, runner: ModelRunner, cfg: CompileConfig, k_max: int) -> None:
+    def _buckets(self, runner: Stack, cfg: CompileConfig, k_max: int) -> None:
         self.runner, self.cfg, self.calls = runner, cfg, 0
         slots = runner.cache.num_slots
         buckets = sorted(cfg.batch_buckets or default_buckets(slots))
@@ -229,8 +229,8 @@ class FastForward:
             rows,
             kv_idx,
             0,
-            self.graphs,
-            self.cfg.layers_per_graph,
+            group_fn=self.graphs,
+            group_size=self.cfg.layers_per_graph,
             mask=mask,
         )
 

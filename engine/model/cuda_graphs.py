@@ -54,7 +54,7 @@ from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import copy_into
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
+    from engine.model.stack import Stack
 
 log = logging.getLogger("specd.cuda_graphs")
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class Captured:
 class GraphForward(FastForward):
     """:class:`FastForward` whose buckets are CUDA graphs of the decoder stack."""
 
-    def __init__(self, runner: ModelRunner, cfg: CompileConfig, k_max: int):
+    def __init__(self, runner: Stack, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
         self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
         self.captured: dict[tuple[int, int, int], Captured] = {}
@@ -179,7 +179,7 @@ class GraphForward(FastForward):
             size = self.cfg.layers_per_graph if groups is not None else None
             mask = None if visible is None or starts is None else tree_mask(visible, starts, kv_len)
             return runner.layers_forward(
-                ids, pos, write_pos, rows, kv_idx, 0, groups, size, mask=mask
+                ids, pos, write_pos, rows, kv_idx, 0, group_fn=groups, group_size=size, mask=mask
             )
 
         (out, tapped), replay = record_on(dev, forward, self.pool)

@@ -19,7 +19,8 @@ from engine.model.cuda_graphs import GraphForward
 from engine.model.q4_matmul import Q4Weight
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
+    from engine.model.stack import Stack
+    from engine.model.weights import LayerWeights
 
 log = logging.getLogger("specd.fast_forward")
 
@@ -35,7 +36,7 @@ def fast_mode(cfg: CompileConfig, device: torch.device) -> str:
     return cfg.mode
 
 
-def make_fast(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> FastForward:
+def make_fast(runner: Stack, cfg: CompileConfig, k_max: int) -> FastForward:
     """The fast path of ``runner`` for ``cfg`` (:func:`fast_mode` picks its kind)."""
     mode = fast_mode(cfg, runner.device)
     if mode != cfg.mode:
@@ -46,13 +47,13 @@ def make_fast(runner: ModelRunner, cfg: CompileConfig, k_max: int) -> FastForwar
     return FastForward(runner, cfg, k_max)
 
 
-def path_of(runner: ModelRunner) -> str:
-    """The path ``runner``'s small forwards take now: ``cuda-graphs`` (captured; on CPU a replay
-    re-runs the forward), ``compiled``, or ``eager`` (none built, or dropped after a
-    failure); with 4-bit layers, ``+q4-<kernel>`` names the matmul kernel they run on."""
-    fast = runner.fast
+def path_of(fast: FastForward | None, weights: list[LayerWeights]) -> str:
+    """The path small forwards take through ``fast`` over ``weights`` (a runner's:
+    ``ModelRunner.path``): ``cuda-graphs`` (captured; on CPU a replay re-runs the forward),
+    ``compiled``, or ``eager`` (none built, or dropped after a failure); with 4-bit layers,
+    ``+q4-<kernel>`` names the matmul kernel they run on."""
     path = (
         "eager" if fast is None else "cuda-graphs" if isinstance(fast, GraphForward) else "compiled"
     )
-    kernels = {w.kernel for lw in runner.weights for w in lw if isinstance(w, Q4Weight)}
+    kernels = {w.kernel for lw in weights for w in lw if isinstance(w, Q4Weight)}
     return path + "".join(f"+q4-{k}" for k in sorted(kernels))

@@ -36,7 +36,7 @@ from transformers.activations import ACT2FN
 from engine.model.layer import linear, project_gate_up, project_qkv, rms_norm, rotate_half
 
 if TYPE_CHECKING:
-    from engine.model.runner import ModelRunner
+    from engine.model.stack import Stack
 
 TILE = 8  # rows per matmul call (16 made a CPU decode step slower: docs/measurements.md)
 SPAN = 64  # attention lengths are multiples of this
@@ -54,7 +54,7 @@ def tiled_n(fn: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], x: torch.Ten
 
 
 def forward(
-    runner: ModelRunner,
+    runner: Stack,
     ids: torch.Tensor,  # [batch, q] long
     slots: list[int],
     starts: list[int],
@@ -83,7 +83,7 @@ def forward(
     for i, w in enumerate(runner.weights):
         if i in runner.taps:
             taps.append(h)
-        h = _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups)
+        h = _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n=n, groups=groups)
     h = tiled(runner.norm, h)
     tapped = _unflatten(torch.cat(taps, -1), b_idx, j_idx, batch, q) if taps else None
     if mode == "hidden":
@@ -96,7 +96,7 @@ def forward(
     return _unflatten(tiled(runner.logits, h), b_idx, j_idx, batch, q), tapped  # [batch, q, vocab]
 
 
-def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, n, groups) -> torch.Tensor:
+def _layer(runner, i, w, h, cos, sin, pos_t, slot_t, *, n, groups) -> torch.Tensor:
     """One decoder layer over ``h`` ``[tokens, hidden]``; K/V of the ``n`` real tokens written."""
     sh = runner.shape
     nh, kvh, hd = sh.num_heads, sh.kv_heads, sh.head_dim
@@ -145,7 +145,7 @@ def _unflatten(x, b_idx, j_idx, batch: int, q: int) -> torch.Tensor:
     return out
 
 
-def check(runner: ModelRunner, probe: int | None = None) -> None:
+def check(runner: Stack, probe: int | None = None) -> None:
     """Prove the invariant on this machine's kernels and the model's own weights: the logits of
     ``probe`` tokens (default TILE + 3: one chunk puts a token at every row of a block) fed as
     one chunk, one token a forward beside another row, and two a forward must be bit-identical;

@@ -92,9 +92,7 @@ def project_qkv(
     x: torch.Tensor, w: LayerWeights, shape: LayerShape
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q, K and V of ``x`` ``[batch, q, hidden]``: ``[batch, q, heads or kv_heads * head_dim]``."""
-    if (
-        w.qkv is not None
-    ):  # one fused matrix (4-bit: engine/model/quant.py; dense: layer_weights.py)
+    if w.qkv is not None:  # one fused matrix (4-bit: engine/model/quant.py; dense: weights.py)
         qs, ks, vs = linear(x, w.qkv).split(qkv_split(w, shape), dim=-1)
         return qs, ks, vs
     assert w.q is not None and w.k is not None and w.v is not None
@@ -231,7 +229,7 @@ class LayerInputs(NamedTuple):
     # there; None: gathered by slot_t
     first_slot: int | None
     shape: LayerShape
-    # a paged cache (engine/model/paged_kv.py): [batch, kv_len] the pool position of each row's
+    # a paged cache (engine/kv/paged_kv.py): [batch, kv_len] the pool position of each row's
     # keys, which are gathered through it; None: the slot cache
     read_idx: torch.Tensor | None = None
 

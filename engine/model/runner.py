@@ -19,11 +19,12 @@ from typing import NamedTuple
 import torch
 
 from engine.fallback import warn_fallback
+from engine.kv.kv_cache import SlotKVCache
+from engine.kv.paged_kv import KVCache, PagedKVCache, pool_blocks
 from engine.model import invariant as batch_invariant
 from engine.model.compiled import CompileConfig, FastForward
 from engine.model.fast_path import log as fast_log
-from engine.model.fast_path import make_fast
-from engine.model.kv_cache import SlotKVCache
+from engine.model.fast_path import make_fast, path_of
 from engine.model.layer import (
     LayerInputs,
     additive_mask,
@@ -33,8 +34,8 @@ from engine.model.layer import (
     layer_group,
     varying_shape_attention,
 )
-from engine.model.paged_kv import KVCache, PagedKVCache, pool_blocks
 from engine.model.q4_matmul import Q4Weight, q4_linear
+from engine.model.stack import Forward
 from engine.model.tree_attention import Tree, tree_inputs
 from engine.model.weights import LayerWeights, ModelWeights, dense_weights
 from engine.transfer import to_device
@@ -44,15 +45,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 class UnsupportedModelError(ValueError):
     pass
-
-
-class Forward(NamedTuple):
-    """What one forward returns."""
-
-    logits: torch.Tensor  # float32 [batch, vocab] ("last") or [batch, q, vocab] ("all")
-    # the inputs of the layers in ``taps``, concatenated in order: [batch, q, len(taps) * hidden]
-    # (positions past a row's count are garbage); None when the runner taps no layer
-    tapped: torch.Tensor | None
 
 
 class Hidden(NamedTuple):
@@ -76,10 +68,10 @@ class ModelRunner:
     - ``compile``: the fast path of small forwards (compiled or graph-captured,
       engine/model/fast_path.py), built for drafts of up to ``k_max`` tokens; None: eager.
       A fast path that fails is dropped, with a warning, and the runner runs eagerly after;
-    - ``pool_tokens``: the cache is paged (engine/model/paged_kv.py), a pool of blocks for this
+    - ``pool_tokens``: the cache is paged (engine/kv/paged_kv.py), a pool of blocks for this
       many positions (the scheduler's budget and the prefix cache's) in blocks of
       ``block_size``; None: a slot of ``max_len`` positions per sequence
-      (engine/model/kv_cache.py).
+      (engine/kv/kv_cache.py).
 
     Per forward: ``invariant`` runs the batch-invariant forward of deterministic mode
     (engine/model/invariant.py)."""
@@ -134,7 +126,12 @@ class ModelRunner:
         else:
             blocks = pool_blocks(pool_tokens, num_slots, block_size)
             self.cache = PagedKVCache(
-                *geometry, self.max_len, self.dtype, self.device, blocks, block_size
+                *geometry,
+                self.max_len,
+                self.dtype,
+                self.device,
+                num_blocks=blocks,
+                block_size=block_size,
             )
         self._fast: FastForward | None = None
         if compile is not None and compile.enabled:
@@ -150,6 +147,10 @@ class ModelRunner:
     def fast(self) -> FastForward | None:
         """The fast path small forwards take (None: eager; dropped after a failure)."""
         return self._fast
+
+    def path(self) -> str:
+        """The path its small forwards take now (:func:`~engine.model.fast_path.path_of`)."""
+        return path_of(self._fast, self.weights)
 
     def warm_up(self) -> None:
         """Compile (or capture) every bucket of the fast path, if any and ``warmup`` is set, so
@@ -344,6 +345,7 @@ class ModelRunner:
         slot_t: torch.Tensor,
         kv_idx: torch.Tensor,
         first_slot: int | None,
+        *,
         group_fn: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
         group_size: int | None = None,
         mask: torch.Tensor | None = None,

@@ -1,4 +1,4 @@
-"""The weights of one decoder layer, as :func:`engine.model.runner.decoder_layer` reads them.
+"""The weights of one decoder layer, as :func:`engine.model.layer.decoder_layer` reads them.
 
 :class:`LayerWeights` is the declared seam between the model runner (which builds it from a
 transformers layer and computes with it) and :mod:`engine.model.quant` (which swaps projections for

@@ -1,1 +1,2 @@
-"""A request and its way through the engine: its state, admission, the scheduler, the prefill."""
+"""A request's way through the engine: admission, the scheduler, the prefill and a scored prompt's
+log-probabilities (its record is engine/records/sequence.py)."""

@@ -26,9 +26,9 @@ import torch
 
 from engine.drafters.guard import GuardedDrafter
 from engine.model.runner import ModelRunner
+from engine.records.sequence import Sequence
+from engine.requests.prompt_logprobs import add_prompt_logprobs
 from engine.requests.scheduler import PrefillChunk
-from engine.requests.sequence import Sequence
-from engine.round.prompt_logprobs import add_prompt_logprobs
 
 SLACK = 64  # padded tokens a group may carry whatever its size
 

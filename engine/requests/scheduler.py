@@ -26,14 +26,14 @@ Invariants:
     is the lead; the others (``lead`` set) take no prefill seat and no chunk, and copy the lead's
     prompt KV into their slots when its prefill completes (:meth:`followers`).
 
-  * Prefix caching (engine/model/prefix_cache.py): an admitted sequence starts on the longest
+  * Prefix caching (engine/kv/prefix_cache.py): an admitted sequence starts on the longest
     cached prefix of its prompt (copied into its slot, ``cached_tokens``) and prefills the rest;
     every commit offers the sequence's newly full blocks to the cache, its answer's included.
   * KV budget: the sequences holding slots hold at most ``kv_budget`` positions between them
     (a prefilling sequence its whole prefill, a running one its tokens plus ``lookahead``, what
     its next verify may write). Slots bound how many run at once; the budget bounds the memory
     they hold (on CPU the slot cache's pages are resident only where written and given back
-    when a slot is freed: engine/model/kv_cache.py). Admission waits for room in arrival
+    when a slot is freed: engine/kv/kv_cache.py). Admission waits for room in arrival
     order; when running sequences outgrow the budget, :meth:`make_room` preempts the latest
     admitted (it loses its KV and is queued first again, its prompt and output recomputed
     later, mostly from the prefix cache: ``Sequence.preempt``). A request never needs more
@@ -47,10 +47,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.model.paged_kv import KVCache
-from engine.model.paged_prefix import PagedPrefixCache
-from engine.model.prefix_cache import PrefixCache
-from engine.requests.sequence import Sequence, Status
+from engine.kv.paged_kv import KVCache
+from engine.kv.paged_prefix import PagedPrefixCache
+from engine.kv.prefix_cache import PrefixCache
+from engine.records.sequence import Sequence, Status
 
 BULK = 2  # a group of more sequences than this is a bulk request (it yields to smaller ones)
 # seconds the bulk cap outlasts the last smaller request: chat clients send their next request
@@ -86,6 +86,7 @@ class Scheduler:
         cache: KVCache,
         max_len: int,
         eos_token_ids: tuple[int, ...],
+        *,
         max_prefill_per_step: int = 4,
         prefill_chunk_tokens: int = 512,
         max_slots_per_group: int | None = None,

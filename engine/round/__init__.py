@@ -1,2 +1,2 @@
-"""One speculative round's math: plan, sampling, penalties, grammar, forced tokens, the rejection
-rule, the step's output."""
+"""One speculative round: the speculator (plan, propose, verify, accept, commit), the plan,
+penalties, the rejection rule, draft trees (their rule and shape), the step's output."""

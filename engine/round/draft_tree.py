@@ -33,9 +33,8 @@ from typing import NamedTuple
 import torch
 
 from engine.drafters.base import Alternatives
-from engine.model.paged_kv import KVCache
+from engine.kv.paged_kv import KVCache
 from engine.model.tree_attention import Tree
-from engine.requests.sequence import Sequence
 from engine.round.tree import ancestors
 from engine.transfer import to_device
 
@@ -135,6 +134,7 @@ def settle(
     cache: KVCache,
     slots: list[int],
     starts: list[int],  # each row's root position (its verify's first)
+    *,
     want_probs: bool = True,  # False: nothing reads the emitted positions' probabilities
 ) -> Settled:
     """The accepted paths as chains, the target's cache moved to match (module docstring).
@@ -157,12 +157,3 @@ def settle(
     leaf_hit = ((num_acc > 0) & (last >= t.chain)).long()
     leaves = t.valid[:, t.chain :].sum(1)
     return Settled(drafts, path_probs, tapped, torch.stack([leaves, leaf_hit], dim=1))
-
-
-def may_grow(seq: Sequence) -> bool:
-    """Whether a row may be verified as a tree: not under a grammar, penalties or logit bias
-    (their processing reads a row's drafts as a chain: penalties.py, grammar.py), nor seeded (a
-    seeded row's draws follow its own K alone: plan.py) or deterministic (the batch-invariant
-    forward verifies chains)."""
-    p = seq.params
-    return seq.matcher is None and not p.penalized and p.seed is None and not p.deterministic

@@ -1,4 +1,5 @@
-"""What a step hands back per request, and the round's one device->host transfer.
+"""A step's output per request (engine/records/output.py), and the round's one device->host
+transfer.
 
 Invariant: a round reads the device once. :func:`to_host` packs the acceptance result (accepted
 count, next token, drafted tokens) and, when a row asked for them, the log-probabilities of the
@@ -8,28 +9,12 @@ and reads it with a single ``tolist()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from engine.requests.sequence import PromptLogprob, RoundStats, Sequence, Status
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    stats: RoundStats | None = None  # None for the token sampled from the prefill
-    seq: Sequence | None = field(default=None, repr=False)
-    # target log-probabilities (after temperature / top-k / top-p) of each new token, and the
-    # top-n alternatives as (token id, logprob), when the request asked for logprobs
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    passes: int = 1  # target passes this output covers (more when a reader's buffer merged)
-    # the prompt's log-probabilities (SamplingParams.prompt_logprobs), on a sequence's first output
-    prompt_logprobs: list[PromptLogprob | None] | None = None
+from engine.records.output import StepOutput
+from engine.records.sequence import RoundStats, Sequence, Status
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Logit bias and repetition penalties, applied to the target's logits at every verified position
-before temperature / top-k / top-p (sampling.py).
+before temperature / top-k / top-p (sampling/probs.py).
 
 Formulas, for token j with count c_j (how often j occurs in the output before the position):
   * OpenAI's:   l_j += logit_bias[j];  l_j -= c_j * frequency_penalty + [c_j > 0] * presence_penalty
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.requests.sequence import Sequence
+from engine.records.sequence import Sequence
 from engine.transfer import to_device
 
 

@@ -21,14 +21,14 @@ skips the softmax).
 
 Randomness comes in as tensors (``uniforms``, ``noise``) drawn by the caller from each request's
 own generator, so this function is deterministic and testable. A categorical sample is taken as an
-exponential race (engine/round/sampling.py ``race``).
+exponential race (engine/sampling/probs.py ``race``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.round.sampling import race
+from engine.sampling.probs import race
 
 
 def rejection_sample(

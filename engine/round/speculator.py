@@ -13,8 +13,8 @@
   5. commit   -- append the emitted tokens (cut at stop conditions), commit the target cache to
                  ``len(tokens) - 1`` and roll the drafter's state back to what was kept.
 
-K_i comes from the controller (k_control.py) or a forced run: ``k_for`` in the plan, ``observe``
-in the commit loop (with K = 0 for a forced row: the grammar's drafts say nothing of the
+K_i comes from the controller (kcontrol/controller.py) or a forced run: ``k_for`` in the plan,
+``observe`` in the commit loop (with K = 0 for a forced row: the grammar's drafts say nothing of the
 drafter), ``end_round`` with the round's measured times. Drafter faults make a plain round for
 their rows (drafters/guard.py). The first token of a sequence is sampled from its prefill's
 logits by :meth:`Speculator.first_tokens`, the same rule with K = 0.
@@ -28,21 +28,23 @@ from dataclasses import replace
 
 import torch
 
+from engine.drafters.forced import forced_run, with_forced
 from engine.drafters.guard import GuardedDrafter
-from engine.kcontrol.controller import KController
+from engine.kcontrol.controller import KController, may_grow
 from engine.kcontrol.timing import PhaseClock
 from engine.model.runner import ModelRunner
+from engine.records.output import StepOutput
+from engine.records.plan import RoundPlan
+from engine.records.sequence import RoundStats, Sequence, Status
 from engine.requests.scheduler import Scheduler
-from engine.requests.sequence import RoundStats, Sequence, Status
-from engine.round.draft_tree import grow, may_grow, settle
-from engine.round.forced import forced_run, with_forced
-from engine.round.grammar import advance, apply_grammar
-from engine.round.output import StepOutput, make_output, to_host
+from engine.round.draft_tree import grow, settle
+from engine.round.output import make_output, to_host
 from engine.round.penalties import apply_penalties
-from engine.round.plan import RoundPlan, make_plan
+from engine.round.plan import make_plan
 from engine.round.rejection import rejection_sample
-from engine.round.sampling import logits_to_probs
 from engine.round.tree import tree_accept
+from engine.sampling.grammar import advance, apply_grammar
+from engine.sampling.probs import logits_to_probs
 from engine.transfer import to_device
 
 AcceptRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # rejection_sample's signature
@@ -132,12 +134,22 @@ class Speculator:
             rows_point = tree.point_rows or [False] * len(seqs)
             every_point = all(p.greedy or x for p, x in zip(plan.params, rows_point))
             path, num_acc, next_tok = tree_accept(
-                probs, nodes, tree.parents, tree.valid, tree.q, plan.greedy, uniforms,
-                plan.noise, kmax, tree.width, tree.point, every_point,
-                tree.node_ancestors,
+                probs, nodes, tree.parents, tree.valid, tree.q, plan.greedy, uniforms, plan.noise,
+                depth=kmax, width=tree.width, point=tree.point, every_point=every_point,
+                anc=tree.node_ancestors,
             )  # fmt: skip
             cache = self.target.cache
-            st = settle(tree, path, num_acc, probs, tapped, cache, slots, starts, top_n is not None)
+            st = settle(
+                tree,
+                path,
+                num_acc,
+                probs,
+                tapped,
+                cache,
+                slots,
+                starts,
+                want_probs=top_n is not None,
+            )
             drafts, path_probs, tapped, tree_stats = st
         if self.drafter is not None:  # the target's features of the kept layout (EAGLE-3)
             self.drafter.observe(seqs, tapped, starts, [n + 1 for n in num_draft])
@@ -199,8 +211,8 @@ class Speculator:
         return out
 
     def _note_backlogs(self, seqs: list[Sequence]) -> None:
-        """Each row's drafter backlog, read once its drafter state changed (k_control.py prices
-        the catch-up; the next round sums it over its drafting rows)."""
+        """Each row's drafter backlog, read once its drafter state changed (kcontrol/controller.py
+        prices the catch-up; the next round sums it over its drafting rows)."""
         assert self.drafter is not None
         for s, n in zip(seqs, self.drafter.backlogs(seqs)):
             s.kstate.backlog = n

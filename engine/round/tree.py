@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.round.sampling import race
+from engine.sampling.probs import race
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
@@ -87,6 +87,7 @@ def tree_accept(
     greedy: torch.Tensor,  # [batch] bool
     uniforms: torch.Tensor,  # [batch, n] in [0, 1): node i's acceptance test
     noise: torch.Tensor | None,  # [batch, vocab] Exp(1) for the emitted sample; None: all greedy
+    *,
     depth: int,  # the deepest node's depth (host int: the loops need no device sync)
     width: int,  # the most children a node has
     point: torch.Tensor | None = None,  # [batch] bool: rows whose candidates were chosen, not
@@ -102,7 +103,7 @@ def tree_accept(
         return closed_walk(target_probs, tokens, parents, valid, depth, anc=anc)
     if every_point:
         return closed_walk(
-            target_probs, tokens, parents, valid, depth, greedy, uniforms, noise, anc
+            target_probs, tokens, parents, valid, depth, greedy, uniforms, noise, anc=anc
         )
     batch, n = tokens.shape
     dev = tokens.device
@@ -170,6 +171,7 @@ def closed_walk(
     greedy: torch.Tensor | None = None,  # [batch] bool; None: every row greedy
     uniforms: torch.Tensor | None = None,  # [batch, n]: node i's test (sampled rows)
     noise: torch.Tensor | None = None,  # [batch, vocab] Exp(1): the emitted sample
+    *,
     anc: torch.Tensor | None = None,  # [batch, n, n] :func:`ancestors` (None: computed here)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rule in closed form for rows that are greedy or try every candidate as a point mass

@@ -14,7 +14,7 @@ import dataclasses
 import threading
 from collections import deque
 
-from engine.engine import StepOutput
+from engine.records.output import StepOutput
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:

@@ -27,8 +27,9 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 
-from engine.engine import StepOutput
 from engine.protocol import Engine
+from engine.records.output import StepOutput
+from engine.records.params import SamplingParams, SpecParams
 from engine.requests.admission import (
     DrainTimeoutError,
     EngineError,
@@ -36,9 +37,26 @@ from engine.requests.admission import (
     QueueFullError,
     Reservation,
 )
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
 from engine.worker.channel import Channel
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """An HTTP thread's request for the engine thread: start this request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams | None
+    group: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """An HTTP thread's request for the engine thread: stop this request."""
+
+    request_id: str
+
 
 log = logging.getLogger("specd.worker")
 CUT = "the server shut down before this response finished"  # a drain's deadline passed
@@ -58,7 +76,7 @@ class EngineWorker:
         self._reserved = 0  # room held by live reservations
         self._accepting, self._closed = True, False  # closed: the engine loop has ended
         self.running = False  # the engine loop runs (or is about to)
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Add | Abort] = queue.SimpleQueue()
         self._channels: dict[str, Channel] = {}
         self._wake = threading.Event()
         self._drain_deadline: float | None = None  # set by shutdown()
@@ -164,7 +182,7 @@ class EngineWorker:
                 ch = self._channels[request_id] = Channel(
                     asyncio.get_running_loop(), self.max_buffered
                 )
-            self._inbox.put(("add", request_id, prompt_ids, params, spec, group))
+            self._inbox.put(Add(request_id, prompt_ids, params, spec, group))
             self._wake.set()
             finished = False
             try:
@@ -180,7 +198,7 @@ class EngineWorker:
                     self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
         self._wake.set()
 
     def stats(self) -> dict:
@@ -203,12 +221,12 @@ class EngineWorker:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "abort":
-                self.engine.abort(cmd[1])
+            if isinstance(cmd, Abort):
+                self.engine.abort(cmd.request_id)
                 continue
-            _, rid, prompt, params, spec, group = cmd
+            rid = cmd.request_id
             try:
-                self.engine.add_request(rid, prompt, params, spec, group)
+                self.engine.add_request(rid, cmd.prompt_ids, cmd.params, cmd.spec, cmd.group)
             except Exception:  # fail it alone; the server validated it first, so this is
                 # internal: the text goes to the log, not the client
                 log.exception("engine refused request %s", rid)

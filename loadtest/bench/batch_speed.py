@@ -20,8 +20,7 @@ import time
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import encode, mixed
 
 

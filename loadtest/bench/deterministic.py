@@ -24,8 +24,7 @@ import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import encode, human_eval, mt_bench
 
 MODES = ("default", "deterministic")

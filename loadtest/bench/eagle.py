@@ -28,8 +28,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.kcontrol.timing import time_call
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import Prompt, encode, human_eval, mt_bench
 
 

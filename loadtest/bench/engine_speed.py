@@ -25,8 +25,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.kcontrol.timing import time_call
 from engine.model.loader import load_model
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import encode, mixed
 
 DRAFTERS = {

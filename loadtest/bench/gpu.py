@@ -30,8 +30,7 @@ from engine.engine import SpecEngine
 from engine.kcontrol.controller import FixedK
 from engine.kcontrol.timing import time_call, time_calls
 from engine.model.runner import ModelRunner
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.steps import random_model, time_forward
 from loadtest.bench.synthetic import SyntheticAccept, bound
@@ -152,7 +151,7 @@ class Bench:
         self.r["s2"] = out
 
     def generate(self, eng: SpecEngine, spec: SpecParams, alpha: float | None, seed: int):
-        """tok/s of one engine.generate at batch 1 (synthetic acceptance ``alpha``, or the real
+        """tok/s of one SpecEngine.generate at batch 1 (synthetic acceptance ``alpha``, or the real
         rule), and its tokens per target pass."""
         self.accept.alpha = alpha or None  # alpha 0 / None: the exact rule
         seqs, p = [], self.prompt(seed)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import sys
 
-from engine.requests.sequence import SpecParams
+from engine.records.params import SpecParams
 from loadtest.bench import gpu_parts as parts
 from loadtest.bench.gpu import K_MAX, PLAIN, Bench
 

@@ -33,8 +33,7 @@ import torch
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.eagle.drafter import EagleDrafter
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from loadtest.bench.k_modes import orders
 from prompts.sets import encode, mixed
 

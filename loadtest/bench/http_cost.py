@@ -21,8 +21,7 @@ import openai
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from loadtest.server_proc import specd_server
 from prompts.sets import encode, mixed
 

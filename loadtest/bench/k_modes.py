@@ -21,9 +21,8 @@ import time
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.kcontrol import state as k_state
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records import kstate as k_state
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import encode, mixed
 
 
@@ -66,7 +65,7 @@ def main(argv=None) -> None:
         modes[f"adaptive idle {d}"] = SpecParams()
         decay[f"adaptive idle {d}"] = d
     ctl = engine.controller
-    priced = {"adaptive": True}  # k_control.py "Catch-up", per mode (fitted either way)
+    priced = {"adaptive": True}  # kcontrol/controller.py "Catch-up", per mode (fitted either way)
     if a.unpriced_catch_up:
         modes["adaptive, catch-up unpriced"] = SpecParams()
         priced["adaptive, catch-up unpriced"] = False

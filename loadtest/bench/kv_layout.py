@@ -3,7 +3,7 @@
 Two engines from ``--config`` over one loaded model, ``kv_layout: slots`` (a slot of
 ``max_model_len`` positions per sequence; on CPU resident only where written, keys read as
 views) and ``paged`` (one pool of blocks, a block table per sequence, keys gathered through it:
-engine/model/paged_kv.py). Each serves the same prompts (MT-Bench first turns and HumanEval, the
+engine/kv/paged_kv.py). Each serves the same prompts (MT-Bench first turns and HumanEval, the
 ``mixed`` set) greedily with the config's drafter, one at a time (c = 1) and all at once
 (c = 8), the layouts interleaved ABBA ``--repeats`` times. Prints output tok/s of each, the
 ratio paged / slots, tokens per target pass, the KV memory each held (the pool's blocks at
@@ -24,10 +24,9 @@ import time
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
+from engine.kv.paged_kv import PagedKVCache
 from engine.model.loader import load_model
-from engine.model.paged_kv import PagedKVCache
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import encode, mixed
 
 LAYOUTS = ("slots", "paged")

@@ -21,8 +21,7 @@ from pathlib import Path
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.model.loader import load_model
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from loadtest.bench.multiturn import dialogues
 
 

@@ -32,11 +32,11 @@ from engine.config import EngineConfig
 from engine.drafters.ngram import ngram_lookup
 from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK
 from engine.kcontrol.cost import RoundCost
-from engine.kcontrol.state import KState
 from engine.kcontrol.timing import time_call
 from engine.model.loader import load_model
-from engine.requests.sequence import RoundStats, SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.kstate import KState
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import RoundStats
 from prompts.sets import encode, mixed
 
 LOOKUP_S = 2e-4  # one n-gram lookup

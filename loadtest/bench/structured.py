@@ -22,10 +22,9 @@ import llguidance.torch as llt
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.requests.sequence import SpecParams
-from engine.round import grammar as grammar_module
+from engine.records.params import SamplingParams, SpecParams
 from engine.round import speculator as round_module
-from engine.round.sampling import SamplingParams
+from engine.sampling import grammar as grammar_module
 from server.structured import schema_json
 
 SCHEMAS = {

@@ -39,9 +39,8 @@ from engine.kcontrol.controller import FixedK
 from engine.kcontrol.timing import time_call
 from engine.model.compiled import CompileConfig
 from engine.model.runner import ModelRunner
-from engine.requests.sequence import SpecParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.round.rejection import rejection_sample
-from engine.round.sampling import SamplingParams
 from loadtest.bench.steps import SHAPES, random_model, time_forward
 
 

@@ -30,9 +30,8 @@ from engine.config import EngineConfig
 from engine.drafters.base import Alternatives
 from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.kcontrol.timing import time_call
-from engine.requests.sequence import SpecParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.round.draft_tree import grow
-from engine.round.sampling import SamplingParams
 from loadtest.bench.eagle import fitting_prompts
 
 SETS = ("mt-bench", "humaneval", "sharegpt-e")

@@ -26,8 +26,7 @@ from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters import NgramDrafter
 from engine.model.q4_matmul import Q4Weight
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import Prompt, encode
 from tests.helpers import assert_speculated
 

@@ -25,11 +25,10 @@ import torch
 from engine.drafters import model as draft_model_module
 from engine.drafters.eagle.drafter import RunnersUp
 from engine.kcontrol.controller import AdaptiveK, FixedK
-from engine.requests.sequence import SpecParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.round import speculator as speculator_module
 from engine.round import tree as tree_module
 from engine.round.rejection import rejection_sample
-from engine.round.sampling import SamplingParams
 from tests.distribution import (
     assert_fits,
     assert_rejects,

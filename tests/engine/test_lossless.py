@@ -6,8 +6,8 @@ sampling reproduces."""
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams, Status
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import Status
 from prompts.sets import encode, human_eval, mt_bench
 from tests import helpers
 

@@ -11,8 +11,7 @@ import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from prompts.sets import encode, human_eval, mt_bench
 from tests.helpers import greedy_reference
 

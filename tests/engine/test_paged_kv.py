@@ -1,4 +1,4 @@
-"""The paged KV cache (engine/model/paged_kv.py, ``kv_layout: paged``): block tables that grow with
+"""The paged KV cache (engine/kv/paged_kv.py, ``kv_layout: paged``): block tables that grow with
 a sequence and give their blocks back, a pool sized by the KV budget rather than by slots x
 max_len, and every exactness test of the slot cache that matters for it run again over it.
 
@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from engine.kcontrol.controller import FixedK
-from engine.model.blocks import PoolExhaustedError
-from engine.model.paged_kv import PagedKVCache, pool_blocks
-from engine.model.paged_prefix import PagedPrefixCache
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.kv.blocks import PoolExhaustedError
+from engine.kv.paged_kv import PagedKVCache, pool_blocks
+from engine.kv.paged_prefix import PagedPrefixCache
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, echo_head
 from tests.engine.model.test_cuda_graphs import (  # noqa: F401 -- re-run over a paged cache
@@ -87,7 +86,9 @@ def test_expanded_eagle_trees_over_the_real_model_move_the_paged_path(
 
 
 def cache(blocks=6, slots=3, max_len=40, bs=4) -> PagedKVCache:
-    return PagedKVCache(2, slots, 2, 3, max_len, torch.float32, "cpu", blocks, bs)
+    return PagedKVCache(
+        2, slots, 2, 3, max_len, torch.float32, "cpu", num_blocks=blocks, block_size=bs
+    )
 
 
 def test_a_sequence_takes_blocks_as_it_grows_and_gives_them_back():
@@ -182,7 +183,7 @@ def test_the_pool_follows_the_budget_not_slots_times_the_context():
     per_position = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x kv_heads x head_dim x bf16 bytes
     as_slots, pool = slots * (max_len + 1) * per_position, (blocks + 1) * 16 * per_position
     assert as_slots > 34e9 and pool < 0.26 * as_slots
-    c = PagedKVCache(1, 4, 1, 2, 64, torch.float32, "cpu", pool_blocks(100, 4))
+    c = PagedKVCache(1, 4, 1, 2, 64, torch.float32, "cpu", num_blocks=pool_blocks(100, 4))
     assert c.bytes == 2 * (pool_blocks(100, 4) + 1) * 16 * 2 * 4  # (K, V) x pool x 2 floats
 
 

@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 
-from engine.model.kv_cache import SlotKVCache
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.kv.kv_cache import SlotKVCache
+from engine.records.params import SamplingParams, SpecParams
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, echo_head
 from tests.helpers import assert_speculated, engine_for, fed_prompt_tokens, tiny_llama
 

@@ -10,8 +10,7 @@ import itertools
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, echo_head
 from tests.helpers import assert_speculated, engine_for, fed_prompt_tokens, tiny_llama
 

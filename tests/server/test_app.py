@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.engine import EngineLoad
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams
 from engine.worker.worker import EngineWorker
 from tests.conftest import make_app
 from tests.server.helpers import CHAT, assert_error

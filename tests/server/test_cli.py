@@ -182,7 +182,7 @@ def test_threads_flag_and_its_environment(monkeypatch):
 
 def test_kv_layout_flag_and_its_environment(monkeypatch):
     """--kv-layout (and SPECD_KV_LAYOUT) choose the target's KV cache: slots by default, or the
-    paged pool (engine/model/paged_kv.py); another name is refused at start-up."""
+    paged pool (engine/kv/paged_kv.py); another name is refused at start-up."""
     monkeypatch.delenv("SPECD_KV_LAYOUT", raising=False)
     assert cli._config(parse([])).kv_layout == "slots"
     assert cli._config(parse(["--kv-layout", "paged"])).kv_layout == "paged"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.requests.sequence import SpecParams
+from engine.records.params import SpecParams
 from server.convert import EngineCapacity, _spec
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
@@ -45,7 +45,8 @@ def test_speculation_option(option, expected):
     [
         ({"k": 7}, "speculation.k"),
         ({"k_max": 9}, "speculation.k_max"),
-        ({"method": "draft"}, "speculation.method"),
+        ({"method": "draft"}, "speculation.method"),  # a model-based drafter, not n-gram
+        ({"method": "eagle3"}, "speculation.method"),
     ],
 )
 def test_refused(option, param):
@@ -80,3 +81,28 @@ def test_deterministic_is_refused_by_name_where_the_mode_is_off():
         params(True, "off")
     assert e.value.status == 400 and e.value.param == "deterministic"
     assert "--deterministic" in e.value.message
+
+
+def test_the_cap_is_the_engines_k_max_where_it_is_lower():
+    """A server whose ``spec_k_max`` (6 here) is above the engine's K_max (4) refuses a K the
+    engine would cut: the cap is the lower of the two."""
+    low = EngineCapacity(2048, 100, "eagle3", k_max=4)
+    assert spec(None, low) == SpecParams(enabled=True, k=None, k_max=4)
+    assert spec({"k": 4, "method": "eagle3"}, low) == SpecParams(enabled=True, k=4, k_max=4)
+    assert spec({"method": "draft"}, low).enabled  # "draft": the configured model-based one
+    for option in ({"k": 5}, {"k_max": 6}):
+        with pytest.raises(APIError) as e:
+            spec(option, low)
+        assert e.value.status == 400 and "<= 4" in e.value.message
+
+
+def test_a_temperature_near_zero_is_greedy_wherever_params_are_made():
+    """The clamp lives in the engine's parameters, so ``specd generate`` and the benchmarks get
+    it as the server does."""
+    from engine.records.params import SamplingParams
+
+    assert (
+        SamplingParams(temperature=1e-6).greedy
+        and SamplingParams(temperature=1e-6).temperature == 0
+    )
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5

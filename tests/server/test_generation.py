@@ -1,6 +1,6 @@
 """server/generation.py: where a choice's text, usage and logprobs end."""
 
-from engine.round.output import StepOutput
+from engine.records.output import StepOutput
 from server.generation import _text
 from server.textstream import IncrementalDetokenizer, StopFilter
 

@@ -85,7 +85,7 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
             "required": ["city"],
             "additionalProperties": False,
         }
-        r = c.post(  # the grammar forces '{"city":"': free drafts (engine/round/forced.py)
+        r = c.post(  # the grammar forces '{"city":"': free drafts (engine/drafters/forced.py)
             "/v1/chat/completions",
             json={
                 "model": MODEL,

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from engine.round.grammar import GrammarCompiler
+from engine.sampling.grammar import GrammarCompiler
 from engine.worker.worker import EngineWorker
 from server import protocol as P
 from server.app import create_app

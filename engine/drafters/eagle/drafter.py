@@ -43,13 +43,13 @@ from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.head import Eagle3Head
 from engine.drafters.eagle.step import HeadGraphs, HeadStep, HeadWeights, head_forward
 from engine.fallback import warn_fallback
-from engine.model.kv_cache import SlotKVCache
+from engine.kv.kv_cache import SlotKVCache
 from engine.model.layer import LayerShape
 from engine.model.weights import from_layer
-from engine.requests.sequence import Sequence
-from engine.round.grammar import DraftGrammar
-from engine.round.plan import RoundPlan
-from engine.round.sampling import logits_to_probs, race
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
+from engine.sampling.grammar import DraftGrammar
+from engine.sampling.probs import logits_to_probs, race
 from engine.transfer import to_device
 
 log = logging.getLogger("specd.eagle")
@@ -222,7 +222,7 @@ class EagleDrafter(DrafterBase):
     # -- compiled path ------------------------------------------------------------------------
     def compile(self, backend: str = "inductor", capture_kv_align: int | None = None) -> None:
         """The head's fast path, made ready by :meth:`warm_up`: inductor's graphs without guards
-        (eagle_step.py, on CPU), or with ``capture_kv_align`` CUDA graphs (eagle_graphs.py)."""
+        (step.py, on CPU), or with ``capture_kv_align`` CUDA graphs (graphs.py)."""
         if capture_kv_align is None:
             self.forward = HeadGraphs(backend)
         else:  # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
@@ -244,7 +244,7 @@ class EagleDrafter(DrafterBase):
                 self._run, width, self.dtype, self.device, self.cache.scratch_pos, self.branch > 0
             )
 
-    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, ingest, visible=None):
+    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, *, ingest, visible=None):
         """:func:`head_forward` (compiled or eager) on the head's weights and cache; ``last``,
         ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1).
         ``visible`` (a tree's step, q = 1): each row's committed length ``[rows]`` and the tree
@@ -312,7 +312,9 @@ class EagleDrafter(DrafterBase):
         def choose(logits, rows, row_t, j, p: RowParams, guide: DraftGrammar):
             if point is not None:  # a tree row drafts its top q
                 p = p._replace(greedy=p.greedy | point[row_t])
-            return self._choose(logits, rows, row_t, j, p, plan, guide, sampled, runners)
+            return self._choose(
+                logits, rows, row_t, j, p, plan, guide, sampled=sampled, runners=runners
+            )
 
         prop = draft_chain(seqs, plan, self.vocab_size, sampled, step, choose)
         if runners is not None:
@@ -354,14 +356,14 @@ class EagleDrafter(DrafterBase):
         all_slots = slots + [slots[i] for i in trees for _ in range(e)]
         o, logits = self._run(
             ids, xs, [0] * len(all_slots), all_slots, pos[:, None], write[:, None],
-            max(real) + w, False, (all_real, vis),
+            max(real) + w, ingest=False, visible=(all_real, vis),
         )  # fmt: skip
         n = len(rows)
         temp = plan.temperature[rows_t].repeat_interleave(e)[:, None]
         grown.children(j, rows_t, o[n:], torch.softmax(logits[n:] / temp, -1), self.draft_ids)
         return o[:n], logits[:n]
 
-    def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, sampled, runners=None):
+    def _choose(self, draft_logits, rows, row_t, j, row_p, plan, guide, *, sampled, runners=None):
         """Draft position j of ``rows`` from the head's logits over the draft vocabulary
         ``[rows, draft_vocab]``: the target ids drafted ``[rows]`` and q over the target
         vocabulary ``[rows, vocab]`` (zero outside the draft vocabulary; None unless
@@ -426,7 +428,7 @@ class EagleDrafter(DrafterBase):
         )  # [rows, q]
         kv_len = max(st + n for st, n in zip(starts, counts))
         last = [n - 1 for n in counts]
-        out = self._run(ids_t, feats, last, slots, pos, write_pos, kv_len, True)
+        out = self._run(ids_t, feats, last, slots, pos, write_pos, kv_len, ingest=True)
         for slot, st, n in zip(slots, starts, counts):
             self.cache.commit(slot, st + n)
             self.real[slot] = st + n
@@ -441,4 +443,6 @@ class EagleDrafter(DrafterBase):
         Returns the new outputs ``[rows, hidden]`` and draft logits ``[rows, draft_vocab]``."""
         pos = to_device(starts, torch.long, self.device)[:, None]  # [rows, 1]
         last = [0] * len(slots)
-        return self._run(tok[:, None], out[:, None], last, slots, pos, pos, max(starts) + 1, False)
+        return self._run(
+            tok[:, None], out[:, None], last, slots, pos, pos, max(starts) + 1, ingest=False
+        )

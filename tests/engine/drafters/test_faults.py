@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from engine.drafters.base import Proposal
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.worker.worker import EngineError, EngineWorker
 from tests.helpers import assert_speculated, engine_for
 

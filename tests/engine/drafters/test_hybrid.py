@@ -9,8 +9,7 @@ from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.ngram import ngram_match
 from engine.kcontrol.controller import FixedK
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 from tests.distribution import assert_fits, assert_rejects, exact_joint
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, draws, echo_head, random_head

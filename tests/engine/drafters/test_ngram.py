@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from engine.drafters.ngram import NgramDrafter, ngram_lookup
-from engine.requests.sequence import Sequence, SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import Sequence
 
 
 def look(tokens, k, **kw):

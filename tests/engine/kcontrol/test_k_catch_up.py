@@ -1,14 +1,14 @@
 """AdaptiveK prices a stateful drafter's catch-up: the positions beyond one a row that the
-drafter takes in first for what its state missed (k_control.py, "Catch-up"), on synthetic costs
-(no model). The simulated drafter here is a draft model (its backlog grows by one each round
-the row does not draft) or an EAGLE head (its backlog stays below 2·WINDOW)."""
+drafter takes in first for what its state missed (kcontrol/controller.py, "Catch-up"), on
+synthetic costs (no model). The simulated drafter here is a draft model (its backlog grows by
+one each round the row does not draft) or an EAGLE head (its backlog stays below 2·WINDOW)."""
 
 import numpy as np
 
 from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.kcontrol.cost import RoundCost
-from engine.requests.sequence import RoundStats, SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import RoundStats
 from tests import helpers
 
 from .test_k_control import CHEAP_VERIFY, seq

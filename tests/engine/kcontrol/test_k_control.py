@@ -6,8 +6,8 @@ import numpy as np
 
 from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK, KController, expected_tokens
 from engine.kcontrol.cost import RoundCost
-from engine.requests.sequence import RoundStats, Sequence, SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import RoundStats, Sequence
 from tests.kcontrol_sim import controller, linear_cost, simulate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10**6)
@@ -61,8 +61,8 @@ def test_converges_to_zero_when_alpha_near_zero():
 
 def test_near_zero_alpha_costs_little_where_a_draft_is_cheap():
     """Where a verified token costs ~4% of a round (GPU-like), a row at α ≈ 0 keeps drafting a
-    token now and then: between drafts its evidence ages (k_state.IDLE_DECAY) and its estimate
-    rises back over break-even. What that exploring costs stays within a few per cent of
+    token now and then: between drafts its evidence ages (records.kstate.IDLE_DECAY) and its
+    estimate rises back over break-even. What that exploring costs stays within a few per cent of
     plain decoding (the probes' budget is 2%)."""
     ks = simulate(controller(CHEAP_VERIFY), [0.01] * 400, CHEAP_VERIFY)[50:]
     assert max(ks) <= 2 and goodput_over_plain(ks, 0.01, CHEAP_VERIFY) > 0.975

@@ -2,7 +2,7 @@
 
 import itertools
 
-from engine.kcontrol.state import KState
+from engine.records.kstate import KState
 
 
 def test_kstate_estimates_alpha_and_forgets():

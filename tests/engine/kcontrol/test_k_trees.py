@@ -6,9 +6,9 @@ import numpy as np
 
 from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.kcontrol.cost import RoundCost
-from engine.kcontrol.state import LEAF_PRIOR, KState, leaf_reach
-from engine.requests.sequence import RoundStats, Sequence, SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.kstate import LEAF_PRIOR, KState, leaf_reach
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import RoundStats, Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10**6)
 

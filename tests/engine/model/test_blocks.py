@@ -1,5 +1,5 @@
-"""engine/model/blocks.py and the sequences' life over it in the paged cache
-(engine/model/paged_kv.py) with its prefix cache (engine/model/paged_prefix.py): the block pool's
+"""engine/kv/blocks.py and the sequences' life over it in the paged cache
+(engine/kv/paged_kv.py) with its prefix cache (engine/kv/paged_prefix.py): the block pool's
 ref counts and free queue, prefix lookup by chained hashes, eviction oldest-freed first, and a
 sequence's blocks (restored from a cached prefix, reserved, committed and cached, rolled back,
 shared by a choice, freed) without a leaked block. Host bookkeeping only: the K/V the blocks
@@ -8,9 +8,9 @@ hold are tests/engine/test_paged_kv.py's."""
 import pytest
 import torch
 
-from engine.model.blocks import ROOT, BlockPool, PoolExhaustedError, block_hash, prefix_hashes
-from engine.model.paged_kv import PagedKVCache
-from engine.model.paged_prefix import PagedPrefixCache
+from engine.kv.blocks import ROOT, BlockPool, PoolExhaustedError, block_hash, prefix_hashes
+from engine.kv.paged_kv import PagedKVCache
+from engine.kv.paged_prefix import PagedPrefixCache
 
 BS = 4
 
@@ -20,7 +20,9 @@ class Seqs:
     drives them (``caching``: with the prefix cache, else none is looked up or stored)."""
 
     def __init__(self, blocks: int = 8, caching: bool = True, slots: int = 8):
-        self.cache = PagedKVCache(1, slots, 1, 1, 64, torch.float32, "cpu", blocks, BS)
+        self.cache = PagedKVCache(
+            1, slots, 1, 1, 64, torch.float32, "cpu", num_blocks=blocks, block_size=BS
+        )
         self.pool = self.cache.pool
         self.prefix = PagedPrefixCache(self.cache, 0) if caching else None
 

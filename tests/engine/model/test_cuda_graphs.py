@@ -14,8 +14,7 @@ import torch
 from engine.model.compiled import CompileConfig
 from engine.model.cuda_graphs import GraphForward, kv_buckets
 from engine.model.fast_path import fast_mode
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.helpers import (
     TEST_DEVICE,
     Paths,

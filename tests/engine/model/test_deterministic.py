@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from engine.model import invariant
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.helpers import assert_speculated, engine_for, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from engine.model.compiled import CompileConfig, FastForward, bucket, default_buckets
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.worker.worker import EngineWorker, NotAcceptingError
 from tests.helpers import Paths, assert_speculated, engine_for, long_prompts
 

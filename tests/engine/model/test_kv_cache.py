@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.model.kv_cache import CacheFullError, SlotKVCache
+from engine.kv.kv_cache import CacheFullError, SlotKVCache
 
 
 def make(slots=2):

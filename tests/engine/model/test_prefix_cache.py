@@ -1,4 +1,4 @@
-"""engine/model/prefix_cache.py on a slot cache of random K/V: a stored prefix restores into
+"""engine/kv/prefix_cache.py on a slot cache of random K/V: a stored prefix restores into
 another slot position for position, whole blocks only and never the prompt's last token; blocks
 of batch-invariant forwards serve only sequences that compute that way; a full pool forgets its
 least recently used blocks."""
@@ -6,8 +6,8 @@ least recently used blocks."""
 import numpy as np
 import torch
 
-from engine.model.kv_cache import SlotKVCache
-from engine.model.prefix_cache import PrefixCache
+from engine.kv.kv_cache import SlotKVCache
+from engine.kv.prefix_cache import PrefixCache
 
 BS = 4
 

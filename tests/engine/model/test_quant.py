@@ -23,8 +23,7 @@ from engine.model.quant import (
 )
 from engine.model.runner import ModelRunner
 from engine.model.weights import ModelWeights
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.conftest import REAL_SPEC
 from tests.helpers import float32_q4_engine
 

@@ -3,8 +3,7 @@ are never emitted (tiny random model drafting for itself, so whole rounds are ac
 
 import pytest
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 
 PROMPT = [5, 9, 13, 2, 7]

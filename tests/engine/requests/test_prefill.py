@@ -8,10 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.records.params import SamplingParams, SpecParams
 from engine.requests import prefill
 from engine.requests.scheduler import PrefillChunk
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
 from tests.helpers import engine_for
 
 pytestmark = pytest.mark.usefixtures("single_thread")

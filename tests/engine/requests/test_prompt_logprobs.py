@@ -1,12 +1,11 @@
-"""engine/round/prompt_logprobs.py: a scored prompt's log-probabilities equal the model's own over
-the whole prompt, whatever the prefill chunking; max_tokens = 0 scores without generating; asking
-for them changes nothing else."""
+"""engine/requests/prompt_logprobs.py: a scored prompt's log-probabilities equal the model's
+own over the whole prompt, whatever the prefill chunking; max_tokens = 0 scores without
+generating; asking for them changes nothing else."""
 
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.helpers import engine_for, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -5,9 +5,9 @@ import time
 
 import pytest
 
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import Status
 from engine.requests import scheduler
-from engine.requests.sequence import SpecParams, Status
-from engine.round.sampling import SamplingParams
 from tests.helpers import engine_for, fed_prompt_tokens
 
 

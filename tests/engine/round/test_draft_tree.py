@@ -4,7 +4,7 @@ leaves, and the accepted path laid out as a chain again, the target's K/V moved 
 import torch
 
 from engine.drafters.base import Alternatives
-from engine.model.kv_cache import SlotKVCache
+from engine.kv.kv_cache import SlotKVCache
 from engine.round.draft_tree import grow, settle
 
 NEG = float("-inf")

@@ -1,4 +1,4 @@
-"""engine/round/forced.py: tokens a grammar forces are drafted for free. Over the tiny
+"""engine/drafters/forced.py: tokens a grammar forces are drafted for free. Over the tiny
 byte-vocabulary byte_models of test_grammar.py: with a grammar that forces a 5-byte run, greedy
 output equals plain decoding while a whole run costs one verify pass and no drafting step; sampled
 rows keep the run too; a seeded row without its own K never gets one (its draws must not depend on
@@ -11,9 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
-from engine.round.forced import forced_run, with_forced
-from engine.round.sampling import SamplingParams
+from engine.drafters.forced import forced_run, with_forced
+from engine.records.params import SamplingParams, SpecParams
 from tests.grammar_builders import engine, text
 
 llguidance = pytest.importorskip("llguidance")

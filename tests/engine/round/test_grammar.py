@@ -1,5 +1,5 @@
-"""engine/round/grammar.py: grammar-constrained output under speculation, over a tiny random model
-whose vocabulary is llguidance's byte tokenizer. Greedy output with speculation equals it
+"""engine/sampling/grammar.py: grammar-constrained output under speculation, over a tiny random
+model whose vocabulary is llguidance's byte tokenizer. Greedy output with speculation equals it
 without (and matches the grammar); sampled output follows the masked target's exact
 distribution (with the token the grammar forces drafted for free, forced.py), by a chi-square
 test that rejects an engine masking every verified position as the first (ignoring the drafts
@@ -10,11 +10,10 @@ import re
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
+from engine.drafters.forced import forced_run
+from engine.records.params import SamplingParams, SpecParams
 from engine.round import speculator as round_module
-from engine.round.forced import forced_run
-from engine.round.grammar import apply_grammar
-from engine.round.sampling import SamplingParams
+from engine.sampling.grammar import apply_grammar
 from tests.distribution import assert_fits, exact_joint
 from tests.eagle_builders import random_head
 from tests.grammar_builders import engine, text

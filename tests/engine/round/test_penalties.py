@@ -7,10 +7,10 @@ position."""
 import pytest
 import torch
 
-from engine.requests.sequence import Sequence, SpecParams
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import Sequence
 from engine.round import speculator as round_module
 from engine.round.penalties import apply_penalties
-from engine.round.sampling import SamplingParams
 from tests.distribution import assert_fits, assert_rejects, exact_joint
 from tests.helpers import assert_speculated, engine_for, sharp_tiny
 

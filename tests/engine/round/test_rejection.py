@@ -129,7 +129,7 @@ def _tv_bound(p: torch.Tensor, n: int) -> float:
 
 
 def _process(logits, temperature, top_p):
-    from engine.round.sampling import logits_to_probs
+    from engine.sampling.probs import logits_to_probs
 
     B = logits.shape[0]
     return logits_to_probs(

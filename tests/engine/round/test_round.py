@@ -11,8 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.helpers import cuda_syncs, engine_for
 
 READS = ["tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"]

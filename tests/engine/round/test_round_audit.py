@@ -9,9 +9,8 @@ off and on a drafter that reports a q other than the one it sampled from."""
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.round import speculator as round_module
-from engine.round.sampling import SamplingParams
 from tests.audit import RoundAudit, hf_reference, runner_reference
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, echo_head, random_head
 from tests.helpers import assert_speculated, engine_for, sharp_tiny, tiny_llama

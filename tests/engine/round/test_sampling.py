@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from engine.round.sampling import SamplingParams, logits_to_probs
+from engine.records.params import SamplingParams
+from engine.sampling.probs import logits_to_probs
 
 
 def probs(logits, t=1.0, k=0, p=1.0):

@@ -5,8 +5,7 @@ under speculation, seeded sampled requests that really speculate."""
 import pytest
 import torch
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests.distribution import target_probs
 from tests.helpers import engine_for, tiny_llama
 

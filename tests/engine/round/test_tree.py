@@ -85,8 +85,8 @@ def generate(sample: bool, seed: int = 0) -> list[tuple[int, ...]]:
             torch.zeros(N, dtype=torch.bool),
             u,
             noise,
-            2,
-            2,
+            depth=2,
+            width=2,
         )
         emitted = []
         for b in range(N):
@@ -115,7 +115,7 @@ def test_greedy_walks_the_targets_argmax():
     p[:, :, 0] += 0.1  # argmax elsewhere only where set
     path, acc, nxt = tree_accept(
         p, tokens, parents, torch.ones(2, 6, dtype=torch.bool), None,
-        torch.ones(2, dtype=torch.bool), torch.zeros(2, 6), None, 2, 2,
+        torch.ones(2, dtype=torch.bool), torch.zeros(2, 6), None, depth=2, width=2,
     )  # fmt: skip
     assert acc.tolist() == [2, 0] and path[0].tolist() == [1, 5] and nxt.tolist() == [2, 3]
 
@@ -134,7 +134,7 @@ def test_a_chain_is_the_chain_rule_draw_for_draw():
     noise = torch.empty(b, v).exponential_(generator=g)
     parents = torch.arange(-1, k - 1).repeat(b, 1)
     valid = torch.arange(k)[None, :] < nd[:, None]
-    path, acc, nxt = tree_accept(p, tokens, parents, valid, q, greedy, u, noise, k, 1)
+    path, acc, nxt = tree_accept(p, tokens, parents, valid, q, greedy, u, noise, depth=k, width=1)
     want_acc, want_next = rejection_sample(p, tokens, nd, q[:, :k], greedy, u, noise)
     assert acc.tolist() == want_acc.tolist() and nxt.tolist() == want_next.tolist()
     assert 0 < int(acc.sum()) < int(nd.sum())  # accepted and rejected both
@@ -174,8 +174,8 @@ def test_the_greedy_walk_is_the_rule_walked_node_by_node():
     greedy = torch.ones(b, dtype=torch.bool)
     u, noise = torch.rand(b, n, generator=g), torch.ones(b, v)
     depth = int(depths(parents.masked_fill(~valid, -1)).max())
-    want = tree_accept(p, tokens, parents, valid, None, greedy, u, noise, depth, n)  # the loop
-    got = tree_accept(p, tokens, parents, valid, None, greedy, u, None, depth, n)
+    want = tree_accept(p, tokens, parents, valid, None, greedy, u, noise, depth=depth, width=n)
+    got = tree_accept(p, tokens, parents, valid, None, greedy, u, None, depth=depth, width=n)
     for w, x in zip(want, got):
         assert w.tolist() == x.tolist()
     assert int(want[1].max()) >= 3 and int((want[1] == 0).sum()) > 0  # deep and empty paths
@@ -197,9 +197,10 @@ def test_point_mass_trees_in_closed_form_are_the_rule_draw_for_draw():
     u = torch.rand(b, n, generator=g)
     noise = torch.empty(b, v).exponential_(generator=g)
     depth = int(depths(parents.masked_fill(~valid, -1)).max())
-    args = (p, tokens, parents, valid, q, greedy, u, noise, depth, n, point)
-    want = tree_accept(*args)  # the loop
-    got = tree_accept(*args, every_point=True)
+    args = (p, tokens, parents, valid, q, greedy, u, noise)
+    kw = {"depth": depth, "width": n, "point": point}
+    want = tree_accept(*args, **kw)  # the loop
+    got = tree_accept(*args, **kw, every_point=True)
     for w, x in zip(want, got):
         assert w.tolist() == x.tolist()
     acc = want[1][point]
@@ -213,8 +214,9 @@ def test_a_walk_stopped_by_its_depth_samples_the_whole_distribution():
     p = torch.tensor([[[0.0, 1.0], [0.9, 0.1], [0.5, 0.5]]])
     u, noise = torch.tensor([[0.5, 0.99]]), torch.ones(1, 2)
     greedy, point, valid = torch.tensor([False]), torch.tensor([True]), torch.ones(1, 2).bool()
-    args = (p, tokens, parents, valid, None, greedy, u, noise, 1, 1, point)
-    want, got = tree_accept(*args), tree_accept(*args, every_point=True)
+    args = (p, tokens, parents, valid, None, greedy, u, noise)
+    kw = {"depth": 1, "width": 1, "point": point}
+    want, got = tree_accept(*args, **kw), tree_accept(*args, **kw, every_point=True)
     assert want[1].tolist() == got[1].tolist() == [1]  # node 0 taken, the walk stops there
     assert want[2].tolist() == got[2].tolist() == [0]  # argmax of p / noise: token 0 (0.9)
 

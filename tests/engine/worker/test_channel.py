@@ -2,8 +2,8 @@
 
 import asyncio
 
-from engine.engine import StepOutput
-from engine.requests.sequence import RoundStats
+from engine.records.output import StepOutput
+from engine.records.sequence import RoundStats
 from engine.worker.channel import Channel, merge_outputs
 
 

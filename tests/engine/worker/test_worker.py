@@ -9,8 +9,7 @@ from contextlib import aclosing
 
 import pytest
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from engine.worker.worker import EngineError, EngineWorker, NotAcceptingError, QueueFullError
 from tests.helpers import assert_speculated, engine_for
 

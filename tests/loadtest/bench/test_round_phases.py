@@ -4,8 +4,7 @@ silently), and a phase's time is within its round's."""
 
 import cProfile
 
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from loadtest.bench.round_phases import PHASES, phase_seconds
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, eagle_engine, random_head
 from tests.helpers import engine_for, tiny_llama

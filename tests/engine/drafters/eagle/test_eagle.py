@@ -11,8 +11,7 @@ import torch
 from engine.drafters.eagle.drafter import WINDOW, EagleDrafter
 from engine.kcontrol.controller import FixedK
 from engine.model.runner import ModelRunner
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 from tests.distribution import assert_fits, assert_rejects, exact_joint
 from tests.eagle_builders import (

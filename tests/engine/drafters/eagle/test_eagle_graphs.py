@@ -13,8 +13,7 @@ import torch
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.step import HeadStep, head_forward
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 from tests.eagle_builders import (
     HIDDEN,

@@ -9,8 +9,7 @@ import torch
 
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.step import HeadGraphs, head_forward
-from engine.requests.sequence import SpecParams
-from engine.round.sampling import SamplingParams
+from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 from tests.eagle_builders import (
     HIDDEN,

@@ -11,8 +11,9 @@ round costs one verify pass and no drafting step, and emits the whole run plus t
 
 Invariants:
   * A row gets a forced run only when it may draft (``cap`` > 0: speculation on, room left) and
-    its K is not pinned to 0 (``k_control.pinned_k``: a request's own ``speculation.k`` of 0, or
-    a seeded sampled request without one, whose random draws are consumed per drafted token).
+    its K is not pinned to 0 (``kcontrol.controller.pinned_k``: a request's own
+    ``speculation.k`` of 0, or a seeded sampled request without one, whose random draws are
+    consumed per drafted token).
   * A forced row is not asked to draft (the drafter sees K = 0 for it) and its run replaces its
     drafts; the other rows' proposals are untouched.
   * The matcher is only read (``compute_ff_tokens`` does not move it).
@@ -23,13 +24,13 @@ from __future__ import annotations
 import torch
 
 from engine.kcontrol.controller import pinned_k
-from engine.requests.sequence import Sequence
+from engine.records.sequence import Sequence
 from engine.transfer import to_device
 
 
 def forced_run(seq: Sequence, cap: int) -> list[int]:
     """The tokens ``seq``'s grammar forces next, at most ``cap`` (empty: none, or not allowed:
-    no room, or a K pinned to 0, k_control.pinned_k)."""
+    no room, or a K pinned to 0, kcontrol.controller.pinned_k)."""
     m = seq.matcher
     if m is None or pinned_k(seq, cap) == 0 or m.is_stopped():
         return []

@@ -21,23 +21,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.kcontrol.state import KState
-from engine.round.sampling import SamplingParams
+from engine.records.kstate import KState
+from engine.records.params import SamplingParams, SpecParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    """Per-request speculation settings (already validated and capped by the server config)."""
-
-    enabled: bool = True
-    k: int | None = None  # a fixed K for every round; None: the engine's controller decides
-    k_max: int | None = None  # cap on the controller's K for this request (None: engine's k_max)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.requests.sequence import PromptLogprob, Sequence
+from engine.records.sequence import PromptLogprob, Sequence
 from engine.transfer import to_device
 
 

@@ -1,9 +1,9 @@
 """Automatic prefix caching over the paged KV cache: blocks shared, never copied.
 
 The slot cache keeps cached prefixes in a pool of its own and copies them into a slot on a hit
-(engine/model/prefix_cache.py). Over the paged cache (engine/model/paged_kv.py) a sequence's full
+(engine/kv/prefix_cache.py). Over the paged cache (engine/kv/paged_kv.py) a sequence's full
 blocks are themselves the cache, as in vLLM: once a block is full and committed it is keyed by
-the chained hash of its tokens (engine/model/blocks.py); when its sequence ends the block stays
+the chained hash of its tokens (engine/kv/blocks.py); when its sequence ends the block stays
 in the pool's free queue with its K/V and its hash, and a new prompt that starts with the same
 tokens puts that very block in its table (held again, nothing copied) and prefills only the
 rest. The pool evicts a cached block only when it needs a free one, least recently freed first.
@@ -13,7 +13,7 @@ Invariants: a hashed block holds exactly the K/V the target computed for its tok
 prefix (only committed full blocks are hashed, and they are never written again); the hash
 root is salted by how the K/V were computed (deterministic mode's batch-invariant forwards:
 engine/model/invariant.py), so a hit gives such a sequence bit-identical K/V to a recompute.
-The interface is :class:`~engine.model.prefix_cache.PrefixCache`'s (the scheduler calls both).
+The interface is :class:`~engine.kv.prefix_cache.PrefixCache`'s (the scheduler calls both).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.model.paged_kv import PagedKVCache
-from engine.model.prefix_cache import CachedPrefixes
+from engine.kv.paged_kv import PagedKVCache
+from engine.kv.prefix_cache import CachedPrefixes
 
 
 class PagedPrefixCache(CachedPrefixes):

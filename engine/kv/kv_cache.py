@@ -22,7 +22,7 @@ cached, not with the ``slots x max_len`` reserved; a freed slot's pages go back 
 page table is the block table: each (layer, slot, KV head) is a contiguous run of positions, so
 attention reads keys as a view, no gather, and memory follows the tokens held (the scheduler
 bounds them: ``kv_cache_tokens``). On CUDA the slots are allocated whole; ``kv_layout: paged``
-(engine/model/paged_kv.py) is the block-table cache for it.
+(engine/kv/paged_kv.py) is the block-table cache for it.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class Slots:
     a forward writes past a slot's committed length), :meth:`scatter` / :meth:`gather` /
     :meth:`span` (for the code outside the decoder layer that reads or writes K/V by slot and
     position), :meth:`copy` and :meth:`move`: :class:`SlotKVCache` and
-    :class:`~engine.model.paged_kv.PagedKVCache`."""
+    :class:`~engine.kv.paged_kv.PagedKVCache`."""
 
     paged = False  # whether the decoder layer reads keys through block tables (else by slot)
     k: list[torch.Tensor]

@@ -1,7 +1,7 @@
 """Grammar-constrained decoding (structured outputs) under speculation, with llguidance.
 
 A request with ``SamplingParams.grammar`` (an llguidance grammar: JSON schema, Lark, regex)
-gets a matcher, owned by its :class:`~engine.requests.sequence.Sequence`, that always stands at the
+gets a matcher, owned by its :class:`~engine.records.sequence.Sequence`, that always stands at the
 sequence's committed output. In a round:
 
   * verify: for verified position i (after the drafts d_1..d_i) the row's logits are masked to
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.requests.sequence import Sequence
+from engine.records.sequence import Sequence
 from engine.transfer import to_device
 
 

@@ -1,4 +1,5 @@
-"""Sampling parameters and the logits -> probabilities transform shared by target and draft.
+"""The logits -> probabilities transform shared by target and draft (its parameters:
+engine/records/params.py).
 
 The same transform (temperature, then top-k, then top-p) is applied to the target's and the draft
 model's logits, so the rejection rule compares the two distributions the user actually asked for.
@@ -8,63 +9,9 @@ computed at temperature 1 so that logprobs stay meaningful.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Engine-side sampling parameters (the HTTP layer converts its request into these)."""
-
-    temperature: float = 1.0  # 0 -> greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 -> off
-    max_tokens: int = 16  # 0: prefill only (with prompt_logprobs: score the prompt)
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
-    prompt_logprobs: int | None = None  # the same for every prompt token (the model's own)
-    # logit processing before temperature (penalties.py): OpenAI's, and repetition (1 = off)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-    grammar: str | None = None  # an llguidance grammar the output must match (grammar.py)
-    # batch-invariant forwards while this request runs (engine/model/invariant.py; the engine's
-    # ``deterministic`` mode must be "request" or "always")
-    deterministic: bool = False
-
-    def __post_init__(self):
-        if self.temperature < 0 or self.temperature != self.temperature:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError("prompt_logprobs must be >= 0")
-        if not self.repetition_penalty > 0:
-            raise ValueError("repetition_penalty must be > 0")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any logit processing (bias, penalties) applies to this request."""
-        return bool(
-            self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-            or self.logit_bias
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from engine.records.params import SamplingParams
 
 
 def needs_filter(params: list[SamplingParams]) -> bool:

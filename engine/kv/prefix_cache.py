@@ -2,7 +2,7 @@
 history, computes only what is new.
 
 Full blocks of a sequence's committed positions are copied into a pool of blocks
-(:class:`~engine.model.blocks.BlockPool`), keyed by the chained hash of their tokens; a sequence
+(:class:`~engine.kv.blocks.BlockPool`), keyed by the chained hash of their tokens; a sequence
 admitted into a slot gets the longest cached prefix of its prompt copied into the slot and
 prefills only the rest. Copying a block costs a fraction of computing it (a memory copy against
 every layer's matmuls and attention over the whole context). The last prompt token is always
@@ -26,15 +26,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from engine.model.blocks import ROOT, BlockPool, block_hash, extend_hashes
-from engine.model.kv_cache import SlotKVCache, zeros
+from engine.kv.blocks import ROOT, BlockPool, block_hash, extend_hashes
+from engine.kv.kv_cache import SlotKVCache, zeros
 
 INVARIANT_ROOT = block_hash(ROOT, [-1])  # the root of blocks computed batch-invariantly
 
 
 class CachedPrefixes:
     """What both prefix caches keep about the sequences (this one over slots, and
-    engine/model/paged_prefix.py's in the paged cache's own blocks): each slot's hashes of its
+    engine/kv/paged_prefix.py's in the paged cache's own blocks): each slot's hashes of its
     full committed blocks, the longest cached prefix of a prompt, and the counters."""
 
     def __init__(self, pool: BlockPool, block_size: int):

@@ -1,7 +1,7 @@
 """Blocks of KV positions and their bookkeeping: a pool of fixed-size blocks with ref counts, and
 the chained hashes that key automatic prefix caching. Host-side only: no tensor is touched here.
-The paged KV cache (engine/model/paged_kv.py) keeps each sequence's block table; both prefix
-caches (engine/model/prefix_cache.py, engine/model/paged_prefix.py) key their blocks here.
+The paged KV cache (engine/kv/paged_kv.py) keeps each sequence's block table; both prefix
+caches (engine/kv/prefix_cache.py, engine/kv/paged_prefix.py) key their blocks here.
 
 Terms, used wherever blocks are:
 

@@ -2,7 +2,7 @@
 paged``), for devices where the slot cache's memory would be reserved whole (CUDA).
 
 On CPU the slot cache's pages are resident only where written and go back to the kernel when a
-sequence ends (engine/model/kv_cache.py: the OS's page table is its block table). A CUDA
+sequence ends (engine/kv/kv_cache.py: the OS's page table is its block table). A CUDA
 allocation is resident whole, so there ``max_running x max_model_len`` positions would be held
 for the worst case (32 GB for Llama-3.1-8B at 32 x 8,192). Here memory is the pool, sized by the
 positions the running sequences may hold (``kv_cache_tokens``, the scheduler's budget), and a
@@ -26,7 +26,7 @@ device sync, when a slot takes or frees blocks), so a captured CUDA graph transl
 itself and stays valid as tables change.
 
 Blocks are shared: the choices of one prompt hold its full blocks together (:meth:`copy`), and
-with prefix caching (engine/model/paged_prefix.py) a full block keeps its K/V after its sequence
+with prefix caching (engine/kv/paged_prefix.py) a full block keeps its K/V after its sequence
 ends, for the next prompt that starts the same, until the pool needs it (:class:`BlockPool`).
 
 Invariants: a block's ref count is the number of slot tables that hold it, and a block of ref
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.blocks import BlockPool
-from engine.model.kv_cache import SlotKVCache, Slots, zeros
+from engine.kv.blocks import BlockPool
+from engine.kv.kv_cache import SlotKVCache, Slots, zeros
 from engine.transfer import to_device
 
 
@@ -61,6 +61,7 @@ class PagedKVCache(Slots):
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
         num_blocks: int,
         block_size: int = 16,
     ):
@@ -84,7 +85,7 @@ class PagedKVCache(Slots):
         )
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]  # host copy of table_t
         # the blocks' ref counts, their free queue (least recently freed first) and the hashes
-        # of the full ones the prefix cache keeps (engine/model/paged_prefix.py)
+        # of the full ones the prefix cache keeps (engine/kv/paged_prefix.py)
         self.pool = BlockPool(num_blocks, block_size)
         self.peak_blocks = 0  # the most blocks held at once
 
