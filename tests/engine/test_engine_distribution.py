@@ -481,7 +481,7 @@ def chosen_tried_as_drawn(monkeypatch):
     monkeypatch.setattr(
         speculator_module,
         "tree_accept",
-        lambda *a: accept(*a[:10], None),  # no point rows
+        lambda *a, **kw: accept(*a, depth=kw["depth"], width=kw["width"]),  # no point rows
     )
 
 

@@ -148,8 +148,8 @@ class HeadGraphs:
                         torch.zeros_like(ids),
                         scratch,
                         1,
-                        ingest,
-                        (ids[:, 0], torch.ones(rows, 1, dtype=torch.bool, device=device))
+                        ingest=ingest,
+                        visible=(ids[:, 0], torch.ones(rows, 1, dtype=torch.bool, device=device))
                         if tree
                         else None,
                     )
