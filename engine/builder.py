@@ -254,6 +254,7 @@ def make_engine(
         prefix_block_size=cfg.prefix_block_size,
         kv_cache_tokens=cfg.kv_cache_tokens,
         bulk_slots=cfg.bulk_slots,
+        seed=cfg.seed,
     )
 
 

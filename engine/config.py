@@ -108,6 +108,9 @@ class EngineConfig:
     # batch-invariant forwards (engine/model/invariant.py): off | request (a request may ask for
     # them) | always (every request)
     deterministic: str = "off"
+    # the engine's random generator's seed (unseeded requests draw from it; None: from the OS),
+    # as vLLM's --seed: a server started with the same seed draws the same for the same traffic
+    seed: int | None = None
 
     def __post_init__(self):
         if isinstance(self.deterministic, bool):  # YAML reads a bare off / on as a boolean

@@ -63,6 +63,7 @@ class SpecEngine:
         prefix_block_size: int = 16,
         kv_cache_tokens: int | None = None,
         bulk_slots: int | None = None,
+        seed: int | None = None,
     ):
         """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
         builds the engine with a synthetic one (then not lossless: the worker refuses it).
@@ -72,7 +73,8 @@ class SpecEngine:
         ``kv_cache_tokens``: the KV positions the running sequences may hold in all (None:
         every slot its ``max_len``); at least one sequence's ``max_len``. ``bulk_slots``: the
         slots a request of many sequences holds while a smaller one is in the engine
-        (scheduler.py; None: no such cap)."""
+        (scheduler.py; None: no such cap). ``seed``: the engine's generator's (None: from the
+        OS)."""
         self.target, self.drafter = target, drafter
         self.k_max = k_max if drafter is not None else 0
         if controller is None:
@@ -118,7 +120,7 @@ class SpecEngine:
         # compute-bound, the padding made it slower (docs/measurements.md)
         self.group_prefill = self.device.type == "cuda"
         rng = torch.Generator(device=self.device)
-        rng.manual_seed(secrets.randbits(63))
+        rng.manual_seed(secrets.randbits(63) if seed is None else seed)
         self.speculator = Speculator(
             target, self.guard, controller, self.scheduler, k_max, rng, accept
         )

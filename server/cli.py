@@ -20,6 +20,14 @@ DESCRIPTION
     generate       Run the engine on chat prompts and print the output with speculation stats.
     train-drafter  Train the EAGLE-3 head (train/pipeline.py).
 
+    vLLM's serve flags work too, with specd's meaning: --model, --max-num-seqs (= --max-running),
+    --max-num-batched-tokens (prompt tokens a step), --enable-prefix-caching, --dtype auto / half /
+    float, --seed (the engine's generator), --uvicorn-log-level, --speculative-config; accepted
+    for their command lines: --disable-log-requests, --enable-auto-tool-choice,
+    --tool-call-parser, --generation-config vllm, --response-role assistant; refused with the
+    reason: --tensor-parallel-size / --pipeline-parallel-size above 1, --gpu-memory-utilization
+    on a GPU, any other --generation-config or --response-role, unknown --speculative-config keys.
+
     Every flag of serve can also come from the environment, SPECD_<FLAG> (e.g. SPECD_PORT,
     SPECD_DRAFTER, SPECD_MAX_RUNNING); a flag beats the environment, the environment beats the
     config file (--config, default configs/default.yaml), which sets everything else.
@@ -48,6 +56,38 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 DEFAULT_HEAD = str(ROOT / "models" / "smollm2-135m-eagle3")  # SmolLM2's EAGLE-3 head
+SPECULATIVE_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+}
+# vLLM's --dtype names for specd's
+DTYPES = {"half": "float16", "float": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+DTYPES |= {"float32": "float32"}
+
+
+def vllm_flags(args) -> None:
+    """``vllm serve`` flags with the meaning specd gives them, or a refusal that says why (never
+    silently dropped): SystemExit on a value specd cannot honour."""
+    for name, flag in (("tensor_parallel_size", "--tensor-parallel-size"),
+                       ("pipeline_parallel_size", "--pipeline-parallel-size")):  # fmt: skip
+        n = getattr(args, name, None)
+        if n is not None and n != 1:
+            raise SystemExit(f"specd: {flag} {n}: specd runs a model on one device (1 only)")
+    role = getattr(args, "response_role", None)
+    if role is not None and role != "assistant":
+        raise SystemExit(f"specd: --response-role {role!r}: specd answers as 'assistant' only")
+    gen = getattr(args, "generation_config", None)
+    if gen is not None and gen != "vllm":
+        raise SystemExit(
+            f"specd: --generation-config {gen!r}: specd does not read a model's sampling "
+            "defaults yet; 'vllm' (OpenAI's defaults, or the config's server.default_*) is served"
+        )
+    util = getattr(args, "gpu_memory_utilization", None)
+    if util is not None and not 0 < util <= 1:
+        raise SystemExit(f"specd: --gpu-memory-utilization must be in (0, 1], not {util}")
 
 
 def _env_or(args, name: str):
@@ -71,6 +111,11 @@ def speculative_config(text: str) -> tuple[str, int | None, tuple[int, int] | No
         raise SystemExit(f"specd: --speculative-config is not JSON: {e}") from None
     if not isinstance(d, dict):
         raise SystemExit("specd: --speculative-config must be a JSON object")
+    if unknown := sorted(set(d) - SPECULATIVE_KEYS):
+        raise SystemExit(
+            f"specd: --speculative-config keys {unknown} are not ones specd serves "
+            f"(it reads {', '.join(sorted(SPECULATIVE_KEYS))})"
+        )
     method, model, k = d.get("method"), d.get("model"), d.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or k < 0):
         raise SystemExit(f"specd: num_speculative_tokens must be an integer >= 0, not {k!r}")
@@ -101,6 +146,12 @@ def _config(args):
     from engine.api import EngineConfig
 
     cfg = EngineConfig.from_yaml(args.config)
+    vllm_flags(args)
+    option = getattr(args, "model_option", None)  # vLLM's --model beside the positional
+    if option and getattr(args, "model", None) not in (None, option):
+        raise SystemExit(f"specd: the model is named twice: {args.model!r} and --model {option!r}")
+    if option:
+        args.model = option
     model = _env_or(args, "model")
     other_model = bool(model) and model != cfg.model.source
     if model:
@@ -108,6 +159,10 @@ def _config(args):
         cfg.model.name = Path(model.split(":")[-1].rstrip("/")).name.removesuffix(".gguf")
     for name in ("dtype", "device"):  # flag > env > file
         value = _env_or(args, name)
+        if name == "dtype" and value == "auto":  # vLLM's: the model's own (the config's here)
+            value = None
+        if name == "dtype" and value:
+            value = DTYPES.get(value, value)
         if value:
             setattr(cfg.model, name, value)
     drafter = _env_or(args, "drafter")
@@ -155,8 +210,30 @@ def _config(args):
             setattr(target, field, cast(value))
     if spec_k is not None and _env_or(args, "k_max") is None:
         cfg.drafter.k_max = spec_k
+    if getattr(args, "enable_prefix_caching", None) and not cfg.prefix_cache_tokens:
+        cfg.prefix_cache_tokens = EngineConfig.prefix_cache_tokens  # on, at its default size
     if str(_env_or(args, "no_enable_prefix_caching")).lower() in ("true", "1", "yes"):
         cfg.prefix_cache_tokens = 0  # vLLM's flag: every prompt computed whole
+    if (batched := getattr(args, "max_num_batched_tokens", None)) is not None:
+        cfg.prefill_chunk_tokens = batched  # vLLM's per-step token budget: prompt tokens a step
+    if (seed := getattr(args, "engine_seed", None)) is not None:
+        cfg.seed = seed
+    if getattr(args, "gpu_memory_utilization", None) is not None:
+        device = cfg.model.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device != "cpu":
+            raise SystemExit(
+                "specd: --gpu-memory-utilization: specd sizes its KV memory in positions, not "
+                "as a share of GPU memory: use --kv-cache-tokens"
+            )
+        print(  # as in vLLM's CPU build, which sizes its KV cache by VLLM_CPU_KVCACHE_SPACE
+            "specd: --gpu-memory-utilization does not apply on CPU (the KV memory is "
+            "--kv-cache-tokens positions)",
+            file=sys.stderr,
+        )
     if str(_env_or(args, "enforce_eager")).lower() in ("true", "1", "yes"):
         cfg.compile.enabled = False  # vLLM's flag: no compiled forward, ready without compiling
     try:
@@ -181,6 +258,7 @@ def cmd_serve(args) -> int:
         "api_keys": [args.api_key] if args.api_key else None,
         "served_model_names": args.served_model_name or None,
         "shutdown_timeout_s": args.shutdown_timeout,
+        "log_level": args.log_level,
     }
     settings = ServerSettings.from_sources(data.get("server"), flags=flags)
     logging.basicConfig(
@@ -286,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config file (YAML)")
         p.add_argument(
             "--dtype",
-            choices=["float32", "bfloat16", "float16"],
-            help="weights and activations (env SPECD_DTYPE)",
+            choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+            help="weights and activations; vLLM's names too: auto (the config's), half, float "
+            "(env SPECD_DTYPE)",
         )
         p.add_argument("--device", choices=["cpu", "cuda", "auto"], help="(env SPECD_DEVICE)")
         if name in ("serve", "generate"):
@@ -326,8 +405,32 @@ def main(argv: list[str] | None = None) -> int:
             )
             p.add_argument(
                 "--max-running",
+                "--max-num-seqs",
+                dest="max_running",
                 type=int,
-                help="sequences decoded together = KV cache slots (env SPECD_MAX_RUNNING)",
+                help="sequences decoded together = KV cache slots (--max-num-seqs: vLLM's name; "
+                "env SPECD_MAX_RUNNING)",
+            )
+            p.add_argument(
+                "--max-num-batched-tokens",
+                type=int,
+                help="prompt tokens one engine step prefills (vLLM's per-step token budget; "
+                "config prefill_chunk_tokens)",
+            )
+            p.add_argument(
+                "--enable-prefix-caching",
+                action="store_const",
+                const=True,
+                help="cache prompts' K/V for prompts that start the same (on by default)",
+            )
+            for flag, short in (("--tensor-parallel-size", "-tp"),
+                                ("--pipeline-parallel-size", "-pp")):  # fmt: skip
+                p.add_argument(flag, short, type=int, help="1 only: specd runs on one device")
+            p.add_argument(
+                "--gpu-memory-utilization",
+                type=float,
+                help="vLLM's share of GPU memory: refused on a GPU (specd sizes KV memory by "
+                "--kv-cache-tokens), without effect on CPU, as in vLLM's CPU build",
             )
             p.add_argument(
                 "--deterministic",
@@ -376,7 +479,45 @@ def main(argv: list[str] | None = None) -> int:
                 type=int,
                 help="torch's threads on CPU (env SPECD_THREADS; default: torch's, one a core)",
             )
+        if name in ("serve", "prepare"):
+            p.add_argument("--model", dest="model_option", metavar="MODEL", help="as MODEL")
         if name == "serve":
+            p.add_argument(
+                "--seed",
+                dest="engine_seed",
+                type=int,
+                help="seed of the engine's generator (unseeded requests draw from it)",
+            )
+            p.add_argument(
+                "--uvicorn-log-level",
+                dest="log_level",
+                choices=["critical", "error", "warning", "info", "debug"],
+                help="the server's log level (config server.log_level; default info)",
+            )
+            p.add_argument(
+                "--disable-log-requests",
+                action="store_true",
+                help="accepted for vLLM's command lines: specd never logs requests' contents",
+            )
+            p.add_argument(
+                "--enable-auto-tool-choice",
+                action="store_true",
+                help="accepted for vLLM's command lines: tool_choice auto is always served",
+            )
+            p.add_argument(
+                "--tool-call-parser",
+                metavar="NAME",
+                help="accepted for vLLM's command lines: specd constrains tool calls to its own "
+                "JSON format by a grammar and parses that (server/tools.py), whatever NAME",
+            )
+            p.add_argument(
+                "--generation-config",
+                metavar="vllm",
+                help="'vllm' only: sampling defaults are OpenAI's or the config's server.default_*",
+            )
+            p.add_argument(
+                "--response-role", metavar="assistant", help="'assistant' only (chat answers)"
+            )
             p.add_argument("--host", help="listen address (env SPECD_HOST; default 127.0.0.1)")
             p.add_argument("--port", type=int, help="listen port (env SPECD_PORT; default 8000)")
             p.add_argument(

@@ -109,6 +109,7 @@ def engine_for(
     bulk_slots: int | None = None,
     tree_topk: int = 0,
     kv_layout: str | None = None,
+    seed: int | None = None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -123,7 +124,8 @@ def engine_for(
     the EAGLE-3 head's trees expand EAGLE-2's way (drafter.tree_topk; leaves from the
     controller given); ``kv_layout``: the target's KV cache, ``"slots"`` or ``"paged"``
     (default :data:`KV_LAYOUT`, which tests/engine/test_paged_kv.py sets to run other modules'
-    tests over a paged cache; the engines it built are listed in :data:`PAGED_ENGINES`).
+    tests over a paged cache; the engines it built are listed in :data:`PAGED_ENGINES`);
+    ``seed``: the engine's generator's (config ``seed``; None: from the OS).
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -167,6 +169,7 @@ def engine_for(
         kv_cache_tokens=kv_budget,
         bulk_slots=bulk_slots,
         kv_layout=kv_layout or KV_LAYOUT,
+        seed=seed,
     )
     taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
     runner = target_runner(cfg, target, taps)

@@ -191,3 +191,65 @@ def test_kv_layout_flag_and_its_environment(monkeypatch):
     monkeypatch.setenv("SPECD_KV_LAYOUT", "pages")
     with pytest.raises(SystemExit, match="kv_layout"):
         cli._config(parse([]))
+
+
+def test_a_vllm_command_line_means_what_it_means_in_vllm(monkeypatch, capsys):
+    """``vllm serve`` flags as vLLM's docs write them: each lands where specd keeps that
+    setting (the engine config or the server's), the vLLM-only ones are accepted, none is
+    dropped on the way."""
+    for name in ("SPECD_DRAFTER", "SPECD_MODEL", "SPECD_DTYPE", "SPECD_MAX_RUNNING"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["--model", "/models/Qwen2.5-1.5B-Instruct", "--dtype", "auto", "--max-num-seqs", "4"]
+    argv += ["--max-num-batched-tokens", "256", "--enable-prefix-caching", "--seed", "7"]
+    argv += ["--tensor-parallel-size", "1", "--disable-log-requests", "--uvicorn-log-level"]
+    argv += ["warning", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    argv += ["--generation-config", "vllm", "--response-role", "assistant"]
+    argv += ["--gpu-memory-utilization", "0.9", "--device", "cpu"]
+    args = parse(argv)
+    cfg = cli._config(args)
+    default = cli._config(parse([]))
+    assert cfg.model.source == "/models/Qwen2.5-1.5B-Instruct"
+    assert cfg.model.name == "Qwen2.5-1.5B-Instruct"
+    assert cfg.model.dtype == default.model.dtype  # auto: the config's
+    assert (cfg.max_running, cfg.prefill_chunk_tokens, cfg.seed) == (4, 256, 7)
+    assert cfg.prefix_cache_tokens == default.prefix_cache_tokens > 0
+    assert args.log_level == "warning"  # cmd_serve hands it to the server's settings
+    assert "does not apply on CPU" in capsys.readouterr().err
+    assert cli._config(parse(["--dtype", "half"])).model.dtype == "float16"
+    assert cli._config(parse(["--dtype", "float"])).model.dtype == "float32"
+    # the old names stay
+    assert cli._config(parse(["--max-running", "3"])).max_running == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--tensor-parallel-size", "2"], "one device"),
+        (["-pp", "2"], "one device"),
+        (["--response-role", "user"], "assistant"),
+        (["--generation-config", "auto"], "sampling defaults"),
+        (["--gpu-memory-utilization", "1.5"], "(0, 1]"),
+        (["--gpu-memory-utilization", "0.9", "--device", "cuda"], "--kv-cache-tokens"),
+        (["/models/a.gguf", "--model", "/models/b.gguf"], "named twice"),
+        (["--speculative-config", '{"method": "ngram", "num_lookahead_slots": 4}'], "keys"),
+    ],
+)
+def test_a_vllm_flag_specd_cannot_honour_is_refused_with_the_reason(argv, says):
+    with pytest.raises(SystemExit) as e:
+        cli._config(parse(argv))
+    assert says in str(e.value)
+
+
+def test_an_engine_seed_makes_unseeded_sampling_repeat():
+    """``--seed`` seeds the engine's generator: two engines of one seed sample an unseeded
+    request alike, and another seed samples it otherwise (the control)."""
+    from engine.api import SamplingParams
+    from tests.helpers import engine_for, tiny_llama
+
+    model = tiny_llama(3, layers=1, vocab=48, hidden=32, heads=2, kv_heads=1, max_positions=64)
+
+    def sample(seed):
+        e = engine_for(model, None, slots=2, max_len=64, seed=seed)  # config seed, as --seed
+        return e.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=24))[0]
+
+    assert sample(7).output_ids == sample(7).output_ids != sample(8).output_ids
