@@ -4,7 +4,7 @@ comes back, named once here so the engine's layers can move beneath it."""
 
 from engine.builder import Built, build_engine
 from engine.config import EngineConfig
-from engine.model.loader import prepare
+from engine.model.loader import prepare, resolve_device
 from engine.records.output import StepOutput
 from engine.records.params import SamplingParams, SpecParams
 from engine.requests.admission import (
@@ -32,4 +32,5 @@ __all__ = [
     "StepOutput",
     "build_engine",
     "prepare",
+    "resolve_device",
 ]

@@ -41,7 +41,7 @@ from engine.round.rejection import rejection_sample
 from engine.round.speculator import AcceptRule, Speculator
 from engine.sampling.grammar import GrammarCompiler
 
-__all__ = ["EngineLoad", "SpecEngine", "StepOutput"]
+__all__ = ["EngineLoad", "SpecEngine"]
 
 
 class SpecEngine:

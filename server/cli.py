@@ -63,9 +63,8 @@ SPECULATIVE_KEYS = {
     "prompt_lookup_min",
     "prompt_lookup_max",
 }
-# vLLM's --dtype names for specd's
-DTYPES = {"half": "float16", "float": "float32", "float16": "float16", "bfloat16": "bfloat16"}
-DTYPES |= {"float32": "float32"}
+# vLLM's --dtype names for specd's (auto: the model's own, the config's here)
+DTYPES = {"auto": None, "half": "float16", "float": "float32"}
 
 
 def vllm_flags(args) -> None:
@@ -150,18 +149,14 @@ def _config(args):
     option = getattr(args, "model_option", None)  # vLLM's --model beside the positional
     if option and getattr(args, "model", None) not in (None, option):
         raise SystemExit(f"specd: the model is named twice: {args.model!r} and --model {option!r}")
-    if option:
-        args.model = option
-    model = _env_or(args, "model")
+    model = option or _env_or(args, "model")
     other_model = bool(model) and model != cfg.model.source
     if model:
         cfg.model.source = model
         cfg.model.name = Path(model.split(":")[-1].rstrip("/")).name.removesuffix(".gguf")
     for name in ("dtype", "device"):  # flag > env > file
         value = _env_or(args, name)
-        if name == "dtype" and value == "auto":  # vLLM's: the model's own (the config's here)
-            value = None
-        if name == "dtype" and value:
+        if name == "dtype":
             value = DTYPES.get(value, value)
         if value:
             setattr(cfg.model, name, value)
@@ -219,12 +214,9 @@ def _config(args):
     if (seed := getattr(args, "engine_seed", None)) is not None:
         cfg.seed = seed
     if getattr(args, "gpu_memory_utilization", None) is not None:
-        device = cfg.model.device
-        if device == "auto":
-            import torch
+        from engine.api import resolve_device
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device != "cpu":
+        if resolve_device(cfg.model.device).type != "cpu":
             raise SystemExit(
                 "specd: --gpu-memory-utilization: specd sizes its KV memory in positions, not "
                 "as a share of GPU memory: use --kv-cache-tokens"

@@ -23,6 +23,19 @@ from engine.model.runner import ModelRunner
 TEST_DEVICE = torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
 
 
+def repo_files(under: str = ".") -> list[str]:
+    """The repository's files under ``under`` that git keeps or would (tracked, and untracked but
+    not ignored), relative to the root, that exist in the work tree."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", under],
+        cwd=root, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [f for f in run.stdout.split() if (root / f).exists()]
+
+
 @contextmanager
 def one_torch_thread():
     """torch on one thread inside, the previous count restored after."""

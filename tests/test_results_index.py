@@ -2,11 +2,11 @@
 there, and every one that is there is listed (with the command that reproduces it)."""
 
 import re
-import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "loadtest" / "results"
+from tests.helpers import repo_files
+
+RESULTS = Path(__file__).resolve().parents[1] / "loadtest" / "results"
 
 
 def indexed() -> set[str]:
@@ -22,12 +22,8 @@ def indexed() -> set[str]:
 def kept() -> set[str]:
     """The results files and folders git keeps (a benchmark's ignored outputs, e.g. its JSON
     beside the .txt, are not findings)."""
-    run = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", str(RESULTS)],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    rel = [Path(f).relative_to("loadtest/results").parts[0] for f in run.stdout.split()]
-    return {name for name in rel if name != "README.md" and (RESULTS / name).exists()}
+    rel = [Path(f).relative_to("loadtest/results").parts[0] for f in repo_files(str(RESULTS))]
+    return {name for name in rel if name != "README.md"}
 
 
 def test_the_index_lists_what_is_there():

