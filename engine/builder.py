@@ -124,11 +124,23 @@ def eagle_head(source: str | None, model):
 
 
 def eagle_drafter(
-    source: str | None, model, runner: ModelRunner, head=None, topk: int = 0, k_max: int = 0
+    source: str | None,
+    model,
+    runner: ModelRunner,
+    head=None,
+    topk: int = 0,
+    k_max: int = 0,
+    *,
+    q4: bool = False,
+    backend: str | None = None,
+    capture_kv_align: int | None = None,
 ) -> EagleDrafter:
     """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype), or
     of ``head``, an already loaded one (tests build theirs in memory; moved to the device);
-    ``topk`` >= 2: its trees expand (``drafter.tree_topk``) for chains up to ``k_max``."""
+    ``topk`` >= 2: its trees expand (``drafter.tree_topk``) for chains up to ``k_max``. Its
+    4-bit matrices (``q4``) and its step's fast path (``backend``: inductor's graphs;
+    ``capture_kv_align``: CUDA graphs) are fixed as it is built (EagleDrafter's constructor),
+    never set on it afterwards."""
     if head is not None:
         head = head.to(runner.device)
         source = source or "(in memory)"
@@ -144,7 +156,16 @@ def eagle_drafter(
         raise ValueError(f"the head taps layers {c.aux_layers}: the target has fewer")
     embed = model.model.embed_tokens
     return EagleDrafter(
-        head, embed, runner.cache.num_slots, runner.max_len, runner.vocab_size, topk, k_max
+        head,
+        embed,
+        runner.cache.num_slots,
+        runner.max_len,
+        runner.vocab_size,
+        topk,
+        k_max,
+        q4=q4,
+        backend=backend,
+        capture_kv_align=capture_kv_align,
     )
 
 
@@ -207,16 +228,25 @@ def make_drafter(
         )
         return ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     if d.method == "eagle3":
-        drafter = eagle = eagle_drafter(d.source, model, runner, head, tree_topk(d), d.k_max)
-        if d.head_q4:
-            eagle.use_q4()
         # the head's step compiled too: on CPU inductor's guardless graphs
         # (drafters/eagle/step.py), which CUDA does not run (fast_path.fast_mode); there CUDA
         # graphs (drafters/eagle/graphs.py)
+        backend, align = None, None
         if cfg.compile.enabled and runner.device.type == "cpu":
-            eagle.compile(cfg.compile.backend)
+            backend = cfg.compile.backend
         elif cfg.compile.enabled and fast_mode(cfg.compile, runner.device) == "cuda-graphs":
-            eagle.compile(capture_kv_align=cfg.compile.kv_align)
+            align = cfg.compile.kv_align
+        drafter = eagle_drafter(
+            d.source,
+            model,
+            runner,
+            head,
+            tree_topk(d),
+            d.k_max,
+            q4=d.head_q4,
+            backend=backend,
+            capture_kv_align=align,
+        )
         if d.ngram_fallback:
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
         return drafter

@@ -60,11 +60,26 @@ def echo_head(target, draft_vocab: int = 12) -> Eagle3Head:
     return head
 
 
-def eagle_engine(target, head, slots=4, k=None, max_len=256, accept=None) -> SpecEngine:
+def eagle_engine(
+    target,
+    head,
+    slots=4,
+    k=None,
+    max_len=256,
+    accept=None,
+    *,
+    q4: bool = False,
+    backend: str | None = None,
+    capture_kv_align: int | None = None,
+) -> SpecEngine:
+    """An engine drafting with ``head`` (K fixed at ``k``, else adaptive), its drafter built with
+    its 4-bit matrices (``q4``) and its step's fast path (``backend``: inductor's graphs,
+    ``capture_kv_align``: CUDA graphs; neither: eager) chosen (helpers.engine_for)."""
     ctl = FixedK(k) if k is not None else None
     return helpers.engine_for(
-        target, "eagle3", slots, max_len=max_len, controller=ctl, head=head, accept=accept
-    )
+        target, "eagle3", slots, max_len=max_len, controller=ctl, head=head, accept=accept,
+        head_q4=q4, head_backend=backend, head_capture=capture_kv_align,
+    )  # fmt: skip
 
 
 def assert_greedy_ragged_equals_plain(engine, target, seed: int) -> None:

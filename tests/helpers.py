@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from engine.builder import make_drafter, make_engine, target_runner
+from engine.builder import eagle_drafter, make_drafter, make_engine, target_runner
+from engine.builder import tree_topk as expand_topk
 from engine.config import EngineConfig
 from engine.engine import SpecEngine
 from engine.model.compiled import CompileConfig
@@ -123,6 +124,9 @@ def engine_for(
     tree_topk: int = 0,
     kv_layout: str | None = None,
     seed: int | None = None,
+    head_q4: bool = False,
+    head_backend: str | None = None,
+    head_capture: int | None = None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -138,7 +142,11 @@ def engine_for(
     controller given); ``kv_layout``: the target's KV cache, ``"slots"`` or ``"paged"``
     (default :data:`KV_LAYOUT`, which tests/engine/test_paged_kv.py sets to run other modules'
     tests over a paged cache; the engines it built are listed in :data:`PAGED_ENGINES`);
-    ``seed``: the engine's generator's (config ``seed``; None: from the OS).
+    ``seed``: the engine's generator's (config ``seed``; None: from the OS). ``head_q4``: the
+    EAGLE-3 head's matrices 4-bit (config ``drafter.head_q4``: test_eagle_q4.py). The head's
+    step's fast path, chosen as the drafter is built (engine/builder.py's ``eagle_drafter``)
+    whatever ``compile`` gives the target, for drafter ``"eagle3"`` only: ``head_backend``,
+    inductor's graphs, or ``head_capture``, CUDA graphs with keys bucketed from it.
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -167,7 +175,7 @@ def engine_for(
             source=None,
             dtype=None,
             num_layers=num_layers,
-            head_q4=False,  # the head given is the one tested (test_eagle_q4.py: 4-bit heads)
+            head_q4=head_q4,  # False: the head given is the one tested; True: its 4-bit form
             ngram_fallback=shipped.ngram_fallback if drafter == "eagle3+ngram" else 0,
             k_max=k_max,
             tree_topk=tree_topk,
@@ -186,7 +194,16 @@ def engine_for(
     )
     taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
     runner = target_runner(cfg, target, taps)
-    d = make_drafter(cfg, target, None, runner, draft=draft, head=head)
+    head_fast = head_backend is not None or head_capture is not None
+    if head_fast and drafter != "eagle3":
+        raise ValueError(f"head_backend / head_capture: for drafter 'eagle3', not {drafter!r}")
+    if head_fast:
+        d = eagle_drafter(
+            None, target, runner, head, expand_topk(cfg.drafter), k_max, q4=head_q4,
+            backend=head_backend, capture_kv_align=head_capture,
+        )  # fmt: skip
+    else:
+        d = make_drafter(cfg, target, None, runner, draft=draft, head=head)
     rule = {} if accept is None else {"accept": accept}
     engine = make_engine(cfg, runner, d, list(eos), controller=controller, **rule)
     if cfg.kv_layout == "paged":

@@ -222,29 +222,43 @@ class Bench:
             compile=self.fast("target_eagle"),
             k_max=K_MAX,
         )
-        d = EagleDrafter(head, self.tmodel.model.embed_tokens, 1, t.max_len, t.vocab_size)
+        embed = self.tmodel.model.embed_tokens
+        eager = EagleDrafter(head, embed, 1, t.max_len, t.vocab_size)
+        # as the builder: the head's CUDA graphs, every bucket (engine/drafters/eagle/graphs.py),
+        # chosen as the drafter is built; the eager step is timed on a second, eager drafter
+        captured = self.a.compile != "none"
+        d = (
+            EagleDrafter(head, embed, 1, t.max_len, t.vocab_size, capture_kv_align=64)
+            if captured
+            else eager
+        )
         eng = SpecEngine(t, d, [], controller=FixedK(0), k_max=K_MAX, accept=self.accept)
         self.warm_up(eng, k)
         # c: one chained head step / one target decode step, batch 1, `context` tokens cached
         ctx = min(self.a.context, t.max_len - K_MAX - 2)
-        for cache in (t.cache, d.cache):
+        caches = [t.cache] + [x.cache for x in ([eager, d] if captured else [eager])]
+        for cache in caches:
             cache.allocate(0)
             cache.reserve(0, ctx)
             cache.commit(0, ctx)
         try:
             tok = torch.tensor([42], device=dev)
             o = torch.zeros(1, head.config.hidden_size, dtype=self.dtype, device=dev)
-            step = lambda: d.chain_step(tok, o, [0], [ctx])[1].argmax(-1)  # noqa: E731
-            k["eagle_eager_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
-            if self.a.compile != "none":  # as the builder: the head's CUDA graphs, every bucket
-                d.compile(capture_kv_align=64)  # (engine/drafters/eagle/graphs.py)
+
+            def step_of(x: EagleDrafter):
+                return lambda: x.chain_step(tok, o, [0], [ctx])[1].argmax(-1)
+
+            k["eagle_eager_step_ms"] = (
+                med(time_calls(step_of(eager), dev, self.a.reps, warmup=3)) * 1e3
+            )
+            if captured:
                 k["eagle_capture_s"] = time_call(d.warm_up, dev)
-            k["eagle_step_ms"] = med(time_calls(step, dev, self.a.reps, warmup=3)) * 1e3
+            k["eagle_step_ms"] = med(time_calls(step_of(d), dev, self.a.reps, warmup=3)) * 1e3
             fwd = lambda: t.forward(tok[:, None], [0], [1])  # noqa: E731
             k["eagle_target_ms"] = med(time_calls(fwd, dev, self.a.reps, warmup=3)) * 1e3
         finally:
-            t.cache.free(0)
-            d.cache.free(0)
+            for cache in caches:
+                cache.free(0)
         k["eagle_c"] = k["eagle_step_ms"] / k["eagle_target_ms"]
         k["eagle_graphs"] = getattr(d.forward, "captures", None)  # None: the head ran eagerly
         self.log(f"EAGLE-3 head: {parts.short({x: v for x, v in k.items() if x != 'model'})}")

@@ -6,7 +6,10 @@
    (c = 1) and ``--batch`` at a time, shapes interleaved (``a``, ``a+L``: the adaptive controller,
    chains or with up to L leaves where it finds they pay); every shape's output is checked equal to
    the first shape's (greedy is exact whatever the shape). Leaf yield: the share of tree rounds
-   whose path ended at a leaf.
+   whose path ended at a leaf. Each shape runs on an engine of its own, built by the builder
+   from the config with the shape's drafter settings (its K controller, leaves and top B are
+   construction-time choices: nothing is set on an engine after it is built), all over the
+   one loaded target.
 2. The verify's cost by its tokens N = 1..16 (batch 1 and ``--batch``; compiled, N padded to
    the config's q buckets plus one of 16, and eager), as a causal chain and as a tree of the same
    N (the chain of min(3, N - 1) plus leaves): what a tree's extra queries cost on this machine.
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from collections import defaultdict
@@ -28,8 +32,8 @@ import yaml
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.base import Alternatives
-from engine.kcontrol.controller import AdaptiveK, FixedK
 from engine.kcontrol.timing import time_call
+from engine.model.loader import load_model
 from engine.records.params import SamplingParams, SpecParams
 from engine.round.draft_tree import grow
 from loadtest.bench.eagle import fitting_prompts
@@ -50,34 +54,19 @@ def shape(text: str) -> tuple[int, int, int]:
     return (-1 if k == "a" else int(k)), int(leaves or 0), int(topk or 0)
 
 
-def controller(engine, k: int, leaves: int, topk: int = 0):
-    """FixedK(k, leaves), or for k = -1 the adaptive controller as the builder makes it for the
-    EAGLE-3 head (K_max 7, its leaves up to ``leaves``, an expansion's ``topk`` - 1 extras
-    priced), calibrated once and kept per shape."""
-    if k >= 0:
-        return FixedK(k, leaves)
-    key = ("adaptive", leaves, topk)
-    if key not in CONTROLLERS:
-        ctrl = AdaptiveK(
-            7,
-            engine.drafter.steps,
-            always_drafts=True,
-            max_leaves=leaves,
-            expand_rows=max(topk - 1, 0),
-        )
-        ctrl.price_shapes(engine.target.padded_shape)
-        ctrl.calibrate(engine.target, None, engine.target.cache.free_slots()[:4])
-        CONTROLLERS[key] = ctrl
-    return CONTROLLERS[key]
+def shape_config(raw: dict, k: int, leaves: int, topk: int) -> EngineConfig:
+    """The engine config ``raw`` with one shape's drafter, as engine/builder.py's
+    ``make_controller`` reads it: for K = ``k``, controller ``fixed`` with ``leaves`` leaves;
+    for k = -1, ``adaptive``, the builder's controller for the EAGLE-3 head at K_max 7 (its
+    leaves up to ``leaves``, an expansion's ``topk`` - 1 extras priced; it keeps K + L <= 7
+    itself); ``tree_topk`` the expansion's top B (0: the chain's runners-up)."""
+    d = raw["drafter"] | {"tree_leaves": leaves, "tree_topk": topk}
+    d |= {"controller": "adaptive", "k_max": 7} if k < 0 else {"controller": "fixed", "k": k}
+    return EngineConfig.from_dict(raw | {"drafter": d})
 
 
-CONTROLLERS: dict = {}
-
-
-def run_shape(engine, ids, k, leaves, topk, max_tokens, concurrency):
-    """The prompts ``concurrency`` at a time at this shape; (seconds, sequences)."""
-    engine.controller = engine.speculator.controller = controller(engine, k, leaves, topk)
-    engine.drafter.branch = topk  # (the head's cache has room for the largest: main)
+def run_shape(engine, ids, max_tokens, concurrency):
+    """The prompts ``concurrency`` at a time on ``engine`` (one shape's); (seconds, sequences)."""
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
     seqs, t0 = [], time.perf_counter()
     for start in range(0, len(ids), concurrency):
@@ -148,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raw = yaml.safe_load(Path(args.config).read_text())["engine"]
     shapes = [shape(s) for s in args.shapes.split(",")]
-    topk = max(b for _, _, b in shapes)
-    raw["drafter"] = raw["drafter"] | {"ngram_fallback": 0, "controller": "fixed", "k_max": 16}
-    raw["drafter"] |= {"tree_topk": topk, "tree_leaves": 1} if topk else {}
+    raw["drafter"] = raw["drafter"] | {"ngram_fallback": 0, "k_max": 16}
     served = raw.get("compile", {}).get("q_buckets") or [1, 2, 4, 8]
     raw["compile"] = raw.get("compile", {}) | {  # the served q buckets, and one for N = max_n
         "q_buckets": sorted(set(served) | {max(args.max_n, 16)}),
@@ -158,20 +145,31 @@ def main(argv: list[str] | None = None) -> int:
     }
     raw["max_running"] = max(args.batch, 8)
     raw["prefix_cache_tokens"] = 0  # every shape starts from the same state (no earlier run's K/V)
-    built = build_engine(EngineConfig.from_dict(raw))
-    engine, tok = built.engine, built.tokenizer
-    engine.warm_up()
-    room = engine.target.max_len - args.max_tokens - 17  # with the answer and a verify of 16
+    base = EngineConfig.from_dict(raw)
+    m, cache_dir = base.model, Path(base.cache_dir) if base.cache_dir else None
+    # loaded once, as build_engine loads it: every shape's engine runs over it (its ``target``)
+    target = load_model(m.source, m.dtype, m.device, cache_dir, m.trust_remote_code)
+    tok = target[1]
+    engines = {}  # shape -> its engine, all built before any is timed (ABBA below)
+    for sh in dict.fromkeys(shapes):
+        engines[sh] = build_engine(shape_config(raw, *sh), target=target).engine
+        engines[sh].warm_up()
+    first = engines[shapes[0]]
+    room = first.target.max_len - args.max_tokens - 17  # with the answer and a verify of 16
     pairs = fitting_prompts(tok, args.per_category, args.humaneval, args.sharegpt, room)
     sets = [set_of(p.category) for p, _ in pairs]
     ids = [i for _, i in pairs]
+    for engine in engines.values():  # an adaptive controller calibrates before its first
+        # request (SpecEngine's own step): here, not inside the first timed run
+        engine.generate(ids[:1], SamplingParams(temperature=0, max_tokens=1), SpecParams())
     result: dict = {"prompts": {s: sets.count(s) for s in SETS}, "runs": [], "verify": []}
     reference = None
     for rep in range(args.repeat):
         order = shapes if rep % 2 == 0 else shapes[::-1]  # ABBA
         for conc in (1, args.batch):
             for k, leaves, topk in order:
-                secs, seqs = run_shape(engine, ids, k, leaves, topk, args.max_tokens, conc)
+                engine = engines[(k, leaves, topk)]
+                secs, seqs = run_shape(engine, ids, args.max_tokens, conc)
                 outs = [s.output_ids for s in seqs]
                 reference = reference or outs
                 by_set = defaultdict(lambda: [0, 0])
@@ -193,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 result["runs"].append(row)
                 print(json.dumps(row), flush=True)
-    result["verify"] = verify_costs(engine, args.batch, args.max_n)
+    del engine
+    engines.clear()  # the other shapes' engines freed: the verify costs need one target
+    gc.collect()
+    result["verify"] = verify_costs(first, args.batch, args.max_n)
     for v in result["verify"]:
         print(json.dumps(v), flush=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

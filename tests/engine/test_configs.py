@@ -163,6 +163,7 @@ def test_default_config_is_the_4bit_target_and_speculates_exactly():
     assert e.target.fast is None  # deterministic forwards are all the invariant ones
     assert isinstance(e.drafter, HybridDrafter) and e.controller.name == "adaptive"
     assert isinstance(e.drafter.eagle, EagleDrafter) and e.drafter.eagle.taps == (2, 15, 27)
+    assert e.drafter.eagle.q4  # drafter.head_q4: built with its 4-bit matrices
     assert any(isinstance(x, Q4Weight) for x in e.target.weights[0])
     prompts = [
         encode(b.tokenizer, Prompt("days", "test", "chat", "List the days of the week.")),

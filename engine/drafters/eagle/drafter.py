@@ -105,10 +105,23 @@ class EagleDrafter(DrafterBase):
         vocab: int,
         branch: int = 0,
         k_max: int = 0,
+        *,
+        q4: bool = False,
+        backend: str | None = None,
+        capture_kv_align: int | None = None,
     ):
         """``branch`` B >= 2: draft trees expand EAGLE-2's way (expand.py), B children a node
         and B - 1 extras a depth, for chains of up to ``k_max``; else a tree is the chain's
-        runners-up."""
+        runners-up.
+
+        The head's weights and its step's path are chosen here, never changed afterwards, so a
+        drafter an engine holds is the one it was built as (the builder passes
+        ``drafter.head_q4`` and the compile config's choice): ``q4``, its matrices 4-bit
+        (q4.py) where the int4 kernel applies, else kept dense (:attr:`q4` says which);
+        ``backend``, inductor's graphs without guards (step.py, on CPU), or
+        ``capture_kv_align``, CUDA graphs with keys bucketed from it (graphs.py); neither,
+        eager. A fast path is made ready by :meth:`warm_up` (it may still drop to eager for
+        good after a failure: :meth:`own_path`)."""
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         c = head.config
@@ -141,12 +154,15 @@ class EagleDrafter(DrafterBase):
             cos[0],
             sin[0],
         )
-        self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = head_forward  # or graphs
         self.draft_ids = head.draft_to_target  # [draft_vocab] target id of each draft id
         self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> [n, taps * hidden] pieces
         self.pending_n: dict[int, int] = {}
         self.real: dict[int, int] = {}  # slot -> cache positions computed from real features
         self.skipped: dict[int, int] = {}  # slot -> sequence positions never ingested
+        self.q4 = q4 and self._use_q4()  # True: the head's matrices run 4-bit
+        self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._fast_path(
+            backend, capture_kv_align
+        )  # head_forward (eager) or its graphs
 
     # -- life cycle ---------------------------------------------------------------------------
     def observe(
@@ -208,9 +224,10 @@ class EagleDrafter(DrafterBase):
                 self.pending[slot] = [torch.cat(self.pending[slot])[drop:keep]]
                 self.pending_n[slot], self.skipped[slot] = keep - drop, self.skipped[slot] + drop
 
-    def use_q4(self) -> bool:
-        """Run the head's matrices 4-bit (engine/drafters/eagle/q4.py); False where the int4
-        kernel does not apply (CUDA, float32, widths not a multiple of 32): kept dense."""
+    def _use_q4(self) -> bool:
+        """At construction: the head's matrices 4-bit (engine/drafters/eagle/q4.py); False where
+        the int4 kernel does not apply (CUDA, float32, widths not a multiple of 32): kept
+        dense."""
         from engine.drafters.eagle.q4 import quantized, supported
 
         if not supported(self.weights, self.device, self.dtype):
@@ -220,17 +237,24 @@ class EagleDrafter(DrafterBase):
         return True
 
     # -- compiled path ------------------------------------------------------------------------
-    def compile(self, backend: str = "inductor", capture_kv_align: int | None = None) -> None:
-        """The head's fast path, made ready by :meth:`warm_up`: inductor's graphs without guards
-        (step.py, on CPU), or with ``capture_kv_align`` CUDA graphs (graphs.py)."""
+    def _fast_path(
+        self, backend: str | None, capture_kv_align: int | None
+    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """At construction: the head's step, made ready by :meth:`warm_up`: inductor's graphs
+        without guards with ``backend`` (step.py, on CPU), CUDA graphs with
+        ``capture_kv_align`` (graphs.py), or neither, the eager :func:`head_forward`."""
+        if backend is not None and capture_kv_align is not None:
+            raise ValueError("the EAGLE-3 head's step: a compile backend or CUDA graphs, not both")
+        if backend is not None:
+            return HeadGraphs(backend)
         if capture_kv_align is None:
-            self.forward = HeadGraphs(backend)
-        else:  # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
-            c = self.cache
-            extras = self.branch - 1 if self.branch else 0  # expand.py's E
-            self.forward = HeadCapture(
-                c.scratch_pos, c.num_slots, capture_kv_align, c.max_len, 2 * WINDOW, extras
-            )
+            return head_forward
+        # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
+        c = self.cache
+        extras = self.branch - 1 if self.branch else 0  # expand.py's E
+        return HeadCapture(
+            c.scratch_pos, c.num_slots, capture_kv_align, c.max_len, 2 * WINDOW, extras
+        )
 
     def warm_up(self) -> None:
         """Compile or capture every graph key on the scratch column (nothing committed is read

@@ -144,10 +144,10 @@ def test_greedy_with_the_captured_head_equals_plain_and_drafts_as_the_eager_head
     the generation replayed graphs (counted from after the warm-up, which replays none) and ran
     the eager head only for ingests longer than the buckets, at most one a prompt.
     (Output is exact whatever the head drafts: the acceptance is what shows a wrong head.)"""
-    engine = eagle_engine(target, random_head(11), slots=4, k=3)  # its layer reads its cache
+    # its layer reads its cache
+    engine = eagle_engine(target, random_head(11), slots=4, k=3, capture_kv_align=KV_ALIGN)
     d = engine.drafter
     assert isinstance(d, EagleDrafter)
-    d.compile(capture_kv_align=KV_ALIGN)
     d.warm_up()
     cap = d.forward
     assert isinstance(cap, HeadCapture) and not cap.eager
@@ -188,16 +188,15 @@ def test_draft_trees_replay_the_captured_target_and_head(target):
 
     graphs = CompileConfig(enabled=True, mode="cuda-graphs", batch_buckets=[4], q_buckets=[1, 16])
 
-    def tree_engine(compile=None):
+    def tree_engine(compile=None, head_capture=None):
         return helpers.engine_for(
             target, "eagle3", 4, head=random_head(11), controller=FixedK(2, 6), tree_topk=4,
-            compile=compile,
+            compile=compile, head_capture=head_capture,
         )  # fmt: skip
 
-    engine = tree_engine(graphs)
+    engine = tree_engine(graphs, head_capture=KV_ALIGN)
     d, fast = engine.drafter, engine.target.fast
     assert isinstance(d, EagleDrafter) and isinstance(fast, GraphForward)
-    d.compile(capture_kv_align=KV_ALIGN)
     engine.warm_up()
     cap = d.forward
     assert isinstance(cap, HeadCapture) and not cap.eager and cap.masked_buckets[-1] == 4 * 4

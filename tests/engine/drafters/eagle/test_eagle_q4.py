@@ -9,7 +9,7 @@ import torch
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.q4 import dequantize, quantize, supported
 from engine.drafters.eagle.step import HeadStep, head_forward
-from engine.model.q4_matmul import GROUP
+from engine.model.q4_matmul import GROUP, Q4Weight
 from tests import helpers
 from tests.eagle_builders import (
     HIDDEN,
@@ -48,9 +48,9 @@ def test_q4_head_computes_the_dense_head_on_its_rounded_weights():
     """The 4-bit head's forward equals the dense head's with every matrix replaced by its
     rounded value: Q, K, V and gate, up fused and split back in the right order."""
     target, head = bf16_pair()
-    d = EagleDrafter(head, target.model.embed_tokens, 2, 64, VOCAB)
-    assert supported(d.weights, d.device, d.dtype)
-    dense = d.weights
+    dense_d = EagleDrafter(head, target.model.embed_tokens, 2, 64, VOCAB)
+    assert supported(dense_d.weights, dense_d.device, dense_d.dtype) and not dense_d.q4
+    dense = dense_d.weights
     rounded = dense._replace(
         fc=dequantized(dense.fc).bfloat16(),
         lm_head=dequantized(dense.lm_head).bfloat16(),
@@ -59,7 +59,8 @@ def test_q4_head_computes_the_dense_head_on_its_rounded_weights():
                for f in ("q", "k", "v", "o", "gate", "up", "down")}
         ),
     )  # fmt: skip
-    assert d.use_q4()
+    d = EagleDrafter(head, target.model.embed_tokens, 2, 64, VOCAB, q4=True)
+    assert d.q4 and isinstance(d.weights.fc, Q4Weight) and isinstance(d.weights.lm_head, Q4Weight)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 5, d.head.fc.in_features, generator=g).bfloat16()
     ids = torch.randint(0, VOCAB, (2, 5), generator=g)
@@ -78,14 +79,14 @@ def test_q4_head_computes_the_dense_head_on_its_rounded_weights():
 def test_greedy_with_the_q4_head_equals_plain():
     """bf16 target, 4-bit head: ragged batches emit the plain engine's greedy output."""
     target, head = bf16_pair()
-    engine = eagle_engine(target, head, slots=4, k=3)
-    assert isinstance(engine.drafter, EagleDrafter) and engine.drafter.use_q4()
+    engine = eagle_engine(target, head, slots=4, k=3, q4=True)  # as the builder: drafter.head_q4
+    assert isinstance(engine.drafter, EagleDrafter) and engine.drafter.q4
     assert_greedy_ragged_equals_plain(engine, target, seed=5)
 
 
 def test_float32_heads_stay_dense():
     """No fast int4 matmul with float32 activations: the head keeps its dense weights."""
     target = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN)
-    d = EagleDrafter(random_head(5, draft_vocab=VOCAB), target.model.embed_tokens, 1, 64, VOCAB)
-    before = d.weights
-    assert not d.use_q4() and d.weights is before
+    head = random_head(5, draft_vocab=VOCAB)
+    d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB, q4=True)
+    assert not d.q4 and d.weights.fc is head.fc.weight and d.weights.lm_head is head.lm_head.weight

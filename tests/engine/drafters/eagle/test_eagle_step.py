@@ -31,10 +31,9 @@ def target():
 @pytest.fixture(scope="module")
 def compiled(target):
     """An engine whose head runs compiled (graphs warmed up), and its drafter."""
-    engine = eagle_engine(target, random_head(5), slots=4, k=3)
+    engine = eagle_engine(target, random_head(5), slots=4, k=3, backend="inductor")
     d = engine.drafter
     assert isinstance(d, EagleDrafter)
-    d.compile()
     d.warm_up()
     return engine, d
 
