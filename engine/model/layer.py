@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from engine.model import attention
 from engine.model.q4_matmul import q4_linear
 from engine.model.weights import LayerWeights
 
@@ -140,7 +141,7 @@ def groups_queries(shape: LayerShape, x: torch.Tensor) -> bool:
     runners' captured CUDA graphs keep SDPA's own GQA (the EAGLE-3 head's captured steps do not:
     see :func:`varying_shape_attention`): its cuDNN kernel is several times faster than the
     grouped form over thousands of keys. Figures: docs/measurements.md."""
-    if shape.kv_heads == shape.num_heads:
+    if shape.kv_heads == shape.num_heads or attention.uses_kernel(x, shape.head_dim):
         return False
     if x.device.type == "cuda":
         return _varying_shapes[0]
@@ -279,6 +280,18 @@ def decoder_layer(
     qk = qk.view(B, q, nh + kvh, hd).transpose(1, 2)
     qk = qk * cos + rotate_half(qk) * sin  # [batch, heads + kv_heads, q, head_dim]
     qs, ks = qk[:, :nh], qk[:, nh:]  # [batch, heads | kv_heads, q, head_dim]
+    if attention.uses_kernel(qs, hd) and mask.dtype == torch.bool and mask.shape[-2] == q:
+        # specd's CPU kernel, reading the cache where it lies (a boolean mask a query: an
+        # additive or grouped one, which callers build for SDPA, runs there)
+        if read_idx is not None:  # paged: kc/vc [pool positions, kv_heads, head_dim]
+            kc[write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
+            vc[write_pos] = vs
+        else:
+            kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)
+            vc[slot_t[:, None], :, write_pos] = vs
+        o = attention.attend(qs, kc, vc, mask, slot_t, read_idx)  # [batch, q, heads * head_dim]
+        h = h + linear(o, w.o)
+        return _mlp(h, w, shape)
     if read_idx is not None:  # paged: kc/vc [pool positions, kv_heads, head_dim]
         kc[write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
         vc[write_pos] = vs
@@ -299,6 +312,11 @@ def decoder_layer(
             qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
         )  # [batch, heads, q, head_dim]
     h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), w.o)
+    return _mlp(h, w, shape)
+
+
+def _mlp(h: torch.Tensor, w: LayerWeights, shape: LayerShape) -> torch.Tensor:
+    """The layer's second half: h ``[batch, q, hidden]`` plus the MLP of its norm."""
     x = rms_norm(h, w.post_norm, shape.eps)
     g, u = project_gate_up(x, w)
     g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)

@@ -123,16 +123,17 @@ def kernel_available() -> bool:
     )
 
 
-def build_extension(name: str, src: Path, flags: list[str]) -> None:
+def build_extension(name: str, src: Path, flags: list[str], extra: tuple[str, ...] = ()) -> None:
     """Build (once per source and flags, cached by torch's C++ extension loader) and load an
-    OpenMP op library compiled for the CPU ``flags``. The interpreter's folder goes on PATH where
-    it holds ninja (a venv's, where the venv is not activated): the loader needs it."""
+    OpenMP op library compiled for the CPU ``flags`` (``extra``: more compiler flags). The
+    interpreter's folder goes on PATH where it holds ninja (a venv's, where the venv is not
+    activated): the loader needs it."""
     from torch.utils.cpp_extension import load
 
     here = str(Path(sys.executable).parent)
     if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-    cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in flags]
+    cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in flags] + list(extra)
     load(
         name,
         [str(src)],

@@ -21,6 +21,7 @@ import torch
 from engine.fallback import warn_fallback
 from engine.kv.kv_cache import SlotKVCache
 from engine.kv.paged_kv import KVCache, PagedKVCache, pool_blocks
+from engine.model import attention
 from engine.model import invariant as batch_invariant
 from engine.model.compiled import CompileConfig, FastForward
 from engine.model.fast_path import log as fast_log
@@ -133,6 +134,8 @@ class ModelRunner:
                 num_blocks=blocks,
                 block_size=block_size,
             )
+        if self.device.type == "cpu":
+            attention.kernel_available()  # probed (built) once, before any graph is compiled
         self._fast: FastForward | None = None
         if compile is not None and compile.enabled:
             self._fast = make_fast(self, compile, k_max)

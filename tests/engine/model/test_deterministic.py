@@ -10,12 +10,16 @@ different output in those batches -- the plain bf16 forward is not batch-invaria
 shapes (hidden size 256: on a 2-core Xeon a batch changed even greedy tokens there, not only
 log-probabilities; at 64 it changed log-probabilities only) -- and the target's forwards are
 counted: every one is the invariant forward with the mode on, none with it off. On the real
-SmolLM2 in bf16 (slow) the same holds token for token, with the same control."""
+SmolLM2 in bf16 (slow) the same holds token for token, with the same control. The controls run
+attention on torch's SDPA: on specd's CPU attention kernel (engine/model/attention.py) the plain
+forward of these shapes can be batch-invariant too, and a control would prove nothing."""
+
+import contextlib
 
 import pytest
 import torch
 
-from engine.model import invariant
+from engine.model import attention, invariant
 from engine.records.params import SamplingParams, SpecParams
 from tests.helpers import assert_speculated, engine_for, tiny_llama
 
@@ -36,6 +40,15 @@ def prompts():
     g = torch.Generator().manual_seed(3)
     ps = [torch.randint(1, 64, (int(n),), generator=g).tolist() for n in (4, 11, 23, 40)]
     return ps + [[5, 6, 7, 5, 6, 7, 5, 6]]  # a repeat: the n-gram drafter proposes
+
+
+@pytest.fixture(autouse=True)
+def sdpa_when_off(request):
+    """A test of mode "off" (a control) runs its forwards' attention on torch's SDPA."""
+    callspec = getattr(request.node, "callspec", None)
+    off = callspec is not None and callspec.params.get("mode") == "off"
+    with attention.only_sdpa() if off else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture

@@ -1,0 +1,293 @@
+// Decode, verify and prefill attention over specd's KV caches (slots or paged), on CPU.
+//
+// specd_attention::attend(q [B, heads, Q, D], kc, vc, mask [B, 1, Q, kv_len] bool, slot_t [B],
+//                    read_idx [B, kv_len] or empty, scale) -> [B, Q, heads * D]
+//
+// Slot cache: kc / vc [slots, kv_heads, max_len + 1, D], row b's key j at kc[slot_t[b], :, j].
+// Paged cache: kc / vc [pool positions, kv_heads, D], row b's key j at kc[read_idx[b, j]].
+//
+// The work of one row b and KV head g: its rows are the group's query heads times the Q
+// queries (grouped-query attention: every key of g is read once for all of them). Keys are
+// taken in splits of CHUNK keys (flash-decoding: long contexts spread over the threads) and,
+// within a split, in blocks of KB keys; a block no query of a tile of RT rows may see (the
+// mask) is not read, so padded keys and a causal prefill's upper triangle cost nothing.
+//
+// The arithmetic of one query row is fixed whatever the batch, the number of queries, the
+// threads, or which rows share a tile: its scores sum over the head dimension in order, its
+// softmax runs online over the blocks in key order, each split's partial (max, sum, weighted
+// values) is combined with the others in split order, and the boundaries of blocks and splits
+// are absolute key positions. So a row's output is a function of its own query, keys, values
+// and mask alone (batch invariance by construction). The same source is compiled for AVX-512
+// and for AVX2 (engine/model/attention.py); the loops are written for the compiler to
+// vectorize in either.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t KB = 16;     // keys a block
+constexpr int64_t CHUNK = 512;  // keys a split (a multiple of KB)
+constexpr int64_t RT = 32;     // query rows a tile
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// KB float lanes: one AVX-512 register, two AVX2 ones (GCC's vector extension: the compiler
+// keeps them in registers and emits the ISA it was built for)
+typedef float vf16 __attribute__((vector_size(KB * 4)));
+typedef int32_t vi16 __attribute__((vector_size(KB * 4)));
+
+// e^x lane by lane for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-6 polynomial);
+// x below -87 gives ~0
+inline vf16 exp_neg(vf16 x) {
+  const vf16 lo = vf16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf16 n = (x * 1.44269504088896341f + magic) - magic;
+  vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return p * reinterpret_cast<vf16&>(e);
+}
+
+inline float exp_scalar(float x) {
+  vf16 v = vf16{} + x;
+  return exp_neg(v)[0];
+}
+
+struct Geometry {
+  int64_t B, H, G, Q, kv_len, group, rows, chunks, tiles;
+};
+
+// One work item's rows (a tile of a KV head's query rows) over one split of its keys. Per block
+// of KB keys: the keys transposed to [D][KB] in float32, so a row's KB scores are D
+// multiply-adds of a broadcast query element with a KB-lane vector (summed over d in order);
+// then the row's online softmax and its weighted values, KB keys a time in key order.
+template <typename T, int D>
+void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                 const at::Tensor& mask, const at::Tensor& slot_t, const at::Tensor& read_idx,
+                 double scale, at::Tensor& out) {
+  const bool paged = read_idx.numel() > 0;
+  Geometry g;
+  g.B = q.size(0), g.H = q.size(1), g.Q = q.size(2);
+  g.G = kc.size(1);
+  g.kv_len = mask.size(3);
+  g.group = g.H / g.G;
+  g.rows = g.group * g.Q;  // a KV head's query rows: row r = head (r / Q) of the group, query r % Q
+  g.chunks = std::max<int64_t>(1, (g.kv_len + CHUNK - 1) / CHUNK);
+  g.tiles = (g.rows + RT - 1) / RT;
+
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const bool* mp = mask.data_ptr<bool>();
+  const int64_t* sp = slot_t.data_ptr<int64_t>();
+  const int64_t* rp = paged ? read_idx.data_ptr<int64_t>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = paged ? 0 : kc.stride(2);
+  const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = paged ? 0 : vc.stride(2);
+  const int64_t ms0 = mask.stride(0), ms2 = mask.stride(2);
+  const float sc = static_cast<float>(scale);
+
+  // each split's partial per row: running max, sum of weights, weighted values [D]
+  const int64_t items = g.B * g.G * g.chunks * g.tiles;
+  std::vector<float> part_m(g.B * g.G * g.chunks * g.rows);
+  std::vector<float> part_l(part_m.size());
+  std::vector<float> part_o(part_m.size() * D);
+
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    constexpr int NV = D / KB;  // lane vectors a row of D
+    alignas(64) float qf[RT][D];
+    vf16 kt[D];       // the block's keys, transposed: kt[d][j] = key j's element d
+    vf16 vv[KB][NV];  // the block's values
+    vf16 acc[RT][NV];
+    float m[RT], l[RT];
+    bool see[RT][KB];
+    for (int64_t it = i0; it < i1; ++it) {
+      int64_t rest = it;
+      const int64_t tile = rest % g.tiles;
+      rest /= g.tiles;
+      const int64_t c = rest % g.chunks;
+      rest /= g.chunks;
+      const int64_t kvh = rest % g.G;
+      const int64_t b = rest / g.G;
+      const int64_t r0 = tile * RT, nr = std::min(RT, g.rows - r0);
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t h = kvh * g.group + (r0 + r) / g.Q, t = (r0 + r) % g.Q;
+        const T* src = qp + b * qs0 + h * qs1 + t * qs2;
+        for (int d = 0; d < D; ++d) qf[r][d] = to_float(src[d]) * sc;
+        m[r] = NEG_INF, l[r] = 0.0f;
+        for (int i = 0; i < NV; ++i) acc[r][i] = vf16{};
+      }
+      const int64_t k0 = c * CHUNK, k1 = std::min(g.kv_len, k0 + CHUNK);
+      for (int64_t j0 = k0; j0 < k1; j0 += KB) {
+        const int64_t nk = std::min(KB, k1 - j0);
+        bool any = false;
+        for (int64_t r = 0; r < nr; ++r) {
+          const bool* row = mp + b * ms0 + ((r0 + r) % g.Q) * ms2 + j0;
+          for (int64_t j = 0; j < KB; ++j) any |= (see[r][j] = j < nk && row[j]);
+        }
+        if (!any) continue;  // no query of the tile sees these keys: not read
+        for (int64_t j = 0; j < KB; ++j) {
+          if (j >= nk) {
+            for (int d = 0; d < D; ++d) kt[d][j] = 0.0f;
+            for (int i = 0; i < NV; ++i) vv[j][i] = vf16{};
+            continue;
+          }
+          const int64_t pos = j0 + j;
+          const T *kj, *vj;
+          if (paged) {
+            const int64_t at = rp[b * g.kv_len + pos];
+            kj = kp + at * ks0 + kvh * ks1;
+            vj = vp + at * vs0 + kvh * vs1;
+          } else {
+            kj = kp + sp[b] * ks0 + kvh * ks1 + pos * ks2;
+            vj = vp + sp[b] * vs0 + kvh * vs1 + pos * vs2;
+          }
+          for (int d = 0; d < D; ++d) kt[d][j] = to_float(kj[d]);
+          float* vrow = reinterpret_cast<float*>(vv[j]);
+          for (int d = 0; d < D; ++d) vrow[d] = to_float(vj[d]);
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          // scores of the block's KB keys: four partial sums over d, added in a fixed order
+          const float* qr = qf[r];
+          vf16 s0{}, s1{}, s2{}, s3{};
+          for (int d = 0; d < D; d += 4) {
+            s0 += qr[d] * kt[d];
+            s1 += qr[d + 1] * kt[d + 1];
+            s2 += qr[d + 2] * kt[d + 2];
+            s3 += qr[d + 3] * kt[d + 3];
+          }
+          vf16 sv = (s0 + s1) + (s2 + s3);
+          float bmax = NEG_INF;
+          for (int j = 0; j < KB; ++j) {
+            sv[j] = see[r][j] ? sv[j] : NEG_INF;
+            bmax = std::max(bmax, sv[j]);
+          }
+          if (bmax == NEG_INF) continue;  // the row sees none of these keys: unchanged
+          const float mnew = std::max(m[r], bmax);
+          const float corr = m[r] == NEG_INF ? 0.0f : exp_scalar(m[r] - mnew);
+          vf16 pv = exp_neg(sv - mnew);
+          for (int j = 0; j < KB; ++j) pv[j] = see[r][j] ? pv[j] : 0.0f;
+          float half[KB / 2];  // the weights' sum as a fixed tree
+          for (int j = 0; j < KB / 2; ++j) half[j] = pv[j] + pv[j + KB / 2];
+          for (int w = KB / 4; w > 0; w /= 2)
+            for (int j = 0; j < w; ++j) half[j] += half[j + w];
+          vf16 a[NV];
+          for (int i = 0; i < NV; ++i) a[i] = acc[r][i] * corr;
+          for (int j = 0; j < KB; ++j) {
+            const float pj = pv[j];
+            for (int i = 0; i < NV; ++i) a[i] += pj * vv[j][i];
+          }
+          for (int i = 0; i < NV; ++i) acc[r][i] = a[i];
+          l[r] = l[r] * corr + half[0];
+          m[r] = mnew;
+        }
+      }
+      const int64_t base = ((b * g.G + kvh) * g.chunks + c) * g.rows + r0;
+      for (int64_t r = 0; r < nr; ++r) {
+        part_m[base + r] = m[r];
+        part_l[base + r] = l[r];
+        std::memcpy(&part_o[(base + r) * D], &acc[r][0], D * sizeof(float));
+      }
+    }
+  });
+
+  // combine the splits in key order: o = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c
+  at::parallel_for(0, g.B * g.G, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float o[D];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / g.G, kvh = i % g.G;
+      for (int64_t r = 0; r < g.rows; ++r) {
+        const int64_t h = kvh * g.group + r / g.Q, t = r % g.Q;
+        float M = NEG_INF;
+        for (int64_t c = 0; c < g.chunks; ++c)
+          M = std::max(M, part_m[((b * g.G + kvh) * g.chunks + c) * g.rows + r]);
+        for (int d = 0; d < D; ++d) o[d] = 0.0f;
+        float lsum = 0.0f;
+        if (M != NEG_INF) {
+          for (int64_t c = 0; c < g.chunks; ++c) {
+            const int64_t at = ((b * g.G + kvh) * g.chunks + c) * g.rows + r;
+            if (part_m[at] == NEG_INF) continue;
+            const float w = std::exp(part_m[at] - M);
+            lsum += w * part_l[at];
+            const float* po = &part_o[at * D];
+            for (int d = 0; d < D; ++d) o[d] += w * po[d];
+          }
+        }
+        const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f;
+        T* dst = op + (b * g.Q + t) * g.H * D + h * D;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(o[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attend_dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                     const at::Tensor& mask, const at::Tensor& slot_t, const at::Tensor& read_idx,
+                     double scale, at::Tensor& out) {
+  switch (q.size(3)) {
+    case 32: return attend_impl<T, 32>(q, kc, vc, mask, slot_t, read_idx, scale, out);
+    case 64: return attend_impl<T, 64>(q, kc, vc, mask, slot_t, read_idx, scale, out);
+    case 128: return attend_impl<T, 128>(q, kc, vc, mask, slot_t, read_idx, scale, out);
+    case 256: return attend_impl<T, 256>(q, kc, vc, mask, slot_t, read_idx, scale, out);
+    default: TORCH_CHECK(false, "attend: head_dim 32, 64, 128 or 256");
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                  const at::Tensor& mask_in, const at::Tensor& slot_t_in,
+                  const at::Tensor& read_idx_in, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.stride(3) == 1, "q must be [B, heads, Q, D], last dim dense");
+  TORCH_CHECK(kc.scalar_type() == q.scalar_type() && vc.scalar_type() == q.scalar_type(),
+              "q, k and v must share a dtype");
+  TORCH_CHECK(kc.stride(-1) == 1 && vc.stride(-1) == 1, "the cache's last dim must be dense");
+  const bool paged = read_idx_in.numel() > 0;
+  TORCH_CHECK(paged ? kc.dim() == 3 : kc.dim() == 4, "cache layout and read_idx disagree");
+  TORCH_CHECK(q.size(1) % kc.size(1) == 0, "heads must be a multiple of kv heads");
+  at::Tensor mask = mask_in.contiguous();
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4, "mask must be bool 4-d");
+  TORCH_CHECK(mask.size(0) == q.size(0) && mask.size(2) == q.size(2), "mask shape");
+  at::Tensor slot_t = slot_t_in.to(at::kLong).contiguous();
+  at::Tensor read_idx = paged ? read_idx_in.to(at::kLong).contiguous() : read_idx_in;
+  at::Tensor out = at::empty({q.size(0), q.size(2), q.size(1) * q.size(3)}, q.options());
+  if (q.scalar_type() == at::kFloat)
+    attend_dispatch<float>(q, kc, vc, mask, slot_t, read_idx, scale, out);
+  else if (q.scalar_type() == at::kBFloat16)
+    attend_dispatch<c10::BFloat16>(q, kc, vc, mask, slot_t, read_idx, scale, out);
+  else
+    TORCH_CHECK(false, "attend: float32 or bfloat16 only");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specd_attention, m) {
+  m.def(
+      "attend(Tensor q, Tensor kc, Tensor vc, Tensor mask, Tensor slot_t, Tensor read_idx, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specd_attention, CPU, m) { m.impl("attend", &attend); }
