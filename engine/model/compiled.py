@@ -72,6 +72,13 @@ class CompileConfig:
     # cuda-graphs only: capture inductor's compiled layer groups (kernels fused; Dynamo's guards
     # kept, evaluated at capture only) instead of the eager stack
     fuse: bool = False
+    # inductor's fused kernels round every bf16 / fp16 intermediate as the eager ops do
+    # (inductor's emulate_precision_casts): with the CPU kernels computing each row alone, the
+    # compiled graphs of every shape and the eager forward then give a row the same bits, so
+    # output does not depend on the batch, the verify's width or a prefix cache hit. False:
+    # inductor keeps fused intermediates in float32 (then a 1-row graph and the eager prefill
+    # each round differently)
+    eager_numerics: bool = True
 
     @classmethod
     def from_dict(cls, d: dict | None) -> CompileConfig:
@@ -124,7 +131,9 @@ class FastForward:
                 dynamo.mark_static_address(t)
         mode = None if cfg.mode == "default" else cfg.mode
         # the compiled layer groups, called as the eager layer_group is
-        self.graphs = GroupGraphs(cfg.backend, mode, self.dynamic, self.full_kv)
+        self.graphs = GroupGraphs(
+            cfg.backend, mode, self.dynamic, self.full_kv, eager_numerics=cfg.eager_numerics
+        )
 
     def _buckets(self, runner: Stack, cfg: CompileConfig, k_max: int) -> None:
         self.runner, self.cfg, self.calls = runner, cfg, 0

@@ -39,8 +39,18 @@ class GroupGraphs:
     """Callable as :func:`~engine.model.layer.layer_group`; compiles a key's graph on its first
     call."""
 
-    def __init__(self, backend: str, mode: str | None, dynamic: bool, full_kv: bool):
+    def __init__(
+        self,
+        backend: str,
+        mode: str | None,
+        dynamic: bool,
+        full_kv: bool,
+        eager_numerics: bool = False,
+    ):
+        """``eager_numerics``: inductor rounds fused bf16 / fp16 intermediates as the eager ops
+        do (engine/model/compiled.py's CompileConfig says why)."""
         self.backend, self.mode, self.dynamic, self.full_kv = backend, mode, dynamic, full_kv
+        self.eager_numerics = eager_numerics
         self.graphs: dict[tuple, Callable] = {}  # graph key -> its compiled layer_group
         self._structures: dict[tuple, tuple] = {}  # weight ids -> (the weights, structure)
 
@@ -75,7 +85,7 @@ class GroupGraphs:
 
     def _compile(self) -> Callable:
         """A compiled :func:`layer_group` with entries of its own and no guards."""
-        return compile_guardless(layer_group, self.backend, self.mode)
+        return compile_guardless(layer_group, self.backend, self.mode, self.eager_numerics)
 
     def _mark(self, h: torch.Tensor, at: LayerInputs) -> None:
         """Mark the dynamic dimensions of the call that compiles a key: the key length (unless
@@ -97,10 +107,14 @@ class GroupGraphs:
                 dynamo.mark_dynamic(t, d)
 
 
-def compile_guardless(fn: Callable, backend: str, mode: str | None = None) -> Callable:
+def compile_guardless(
+    fn: Callable, backend: str, mode: str | None = None, eager_numerics: bool = False
+) -> Callable:
     """``torch.compile`` of ``fn`` without Dynamo's guards, with entries of its own: the caller
     picks the graph by a key of its own and promises that calls with one key differ only in
-    the dimensions it marked dynamic and in tensor values."""
+    the dimensions it marked dynamic and in tensor values. ``eager_numerics``: inductor's
+    ``emulate_precision_casts`` for this graph (fused intermediates rounded as eager rounds
+    them)."""
     options: dict = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
     if backend == "inductor":
         import torch._inductor as inductor
@@ -110,6 +124,7 @@ def compile_guardless(fn: Callable, backend: str, mode: str | None = None) -> Ca
         # nor the generated wrapper's checks of every input's sizes and strides (about a hundred
         # a graph, paid on every call): the key fixed them
         options.update(size_asserts=False, alignment_asserts=False)
+        options["emulate_precision_casts"] = eager_numerics
     import inspect
 
     extra = {}

@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 19): how often the default forward changes output, and what the
+"""Deterministic mode: how often the default forward changes output, and what the
 batch-invariant forward (engine/model/invariant.py) costs, in-process on one engine built from
 ``--config`` with ``deterministic: request``, so each request picks its mode over the same
 weights. For each mode, default and deterministic:
@@ -17,14 +17,14 @@ weights. For each mode, default and deterministic:
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 from pathlib import Path
-
-import torch
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.records.params import SamplingParams, SpecParams
+from loadtest.machine import cpu_description
 from prompts.sets import encode, human_eval, mt_bench
 
 MODES = ("default", "deterministic")
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             f"# {n} prompts (MT-Bench, HumanEval), {dtype}, drafter {cfg.drafter.method} at "
-            f"K = {args.k}, batch {n} when batched; threads {torch.get_num_threads()}"
+            f"K = {args.k}, batch {n} when batched; {cpu_description()}, "
+            f"{datetime.date.today()}"
         ),
         f"# prompts whose output differs (of {n}){'':<4}{'default':>10}{'deterministic':>15}",
     ]

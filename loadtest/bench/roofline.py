@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import os
 import statistics
@@ -141,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="sweeps over the shapes (medians)")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument(
-        "--compare-sdpa",
-        action="store_true",
-        help="time a second runner with torch's SDPA for attention beside specd's kernel",
+        "--compare",
+        choices=["sdpa", "fused-numerics"],
+        help="time a second runner beside the config's: attention on torch's SDPA, or inductor"
+        " keeping fused intermediates in float32 (compile.eager_numerics false)",
     )
     ap.add_argument("--out", default="loadtest/results/roofline.txt")
     args = ap.parse_args(argv)
@@ -164,23 +166,25 @@ def main(argv: list[str] | None = None) -> int:
         {**cfg.compile.__dict__, "enabled": True, "batch_buckets": batches, "q_buckets": qs}
     )
 
-    def make_runner() -> ModelRunner:
+    def make_runner(cc: CompileConfig) -> ModelRunner:
         r = ModelRunner(
             model,
             max(batches),
-            max(contexts) + max(qs) + compile_cfg.kv_align,
+            max(contexts) + max(qs) + cc.kv_align,
             weights=weights,
-            compile=compile_cfg,
+            compile=cc,
             k_max=max(qs) - 1,
         )
         r.warm_up()
         return r
 
     t0 = time.perf_counter()
-    runners = {"specd": make_runner()}
-    if args.compare_sdpa:  # the same forward with torch's SDPA for attention, compiled as such
+    runners = {"specd": make_runner(compile_cfg)}
+    if args.compare == "sdpa":  # the same forward with torch's SDPA for attention
         with attention.only_sdpa():
-            runners["sdpa"] = make_runner()
+            runners["other"] = make_runner(compile_cfg)
+    elif args.compare == "fused-numerics":
+        runners["other"] = make_runner(dataclasses.replace(compile_cfg, eager_numerics=False))
     runner = runners["specd"]
     print(f"compiled in {time.perf_counter() - t0:.0f} s; path {runner.path()}", flush=True)
     bandwidth = read_bandwidth()
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 def call(ids=ids, b=b, q=q, r=r):
                     return r.forward(ids, list(range(b)), [q] * b, "all" if q > 1 else "last")
 
-                with attention.only_sdpa() if name == "sdpa" else contextlib.nullcontext():
+                sdpa = name == "other" and args.compare == "sdpa"
+                with attention.only_sdpa() if sdpa else contextlib.nullcontext():
                     times[(name, b, q, c)] += time_calls(call, "cpu", args.reps, 3)
                     if rnd == 0 and name == "specd":
                         parts[(b, q, c)] = profile_parts(r, call, args.profile_steps)
@@ -216,7 +221,7 @@ def report(runner, args, bandwidth, shapes, times, parts) -> list[str]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     gbs = bandwidth / 1e9
     med = {s[1:]: statistics.median(t) * 1e3 for s, t in times.items() if s[0] == "specd"}
-    sdpa = {s[1:]: statistics.median(t) * 1e3 for s, t in times.items() if s[0] == "sdpa"}
+    other = {s[1:]: statistics.median(t) * 1e3 for s, t in times.items() if s[0] == "other"}
     out = [
         (
             "# The target's compiled CPU step against its roofline (bytes it must read /"
@@ -226,7 +231,7 @@ def report(runner, args, bandwidth, shapes, times, parts) -> list[str]:
         + (f"specd's kernel ({attention.isa()})" if attention.kernel_available() else "SDPA"),
         f"# python -m loadtest.bench.roofline --config {args.config} --batches {args.batches}"
         f" --qs {args.qs} --contexts {args.contexts} --reps {args.reps} --rounds {args.rounds}"
-        + (" --compare-sdpa" if args.compare_sdpa else ""),
+        + (f" --compare {args.compare}" if args.compare else ""),
         (
             f"# read bandwidth {gbs:.1f} GB/s (sum of a 1 GiB float32 tensor, best of 7);"
             " step: median of the rounds' timed steps; parts: torch.profiler self time of one"
@@ -236,7 +241,7 @@ def report(runner, args, bandwidth, shapes, times, parts) -> list[str]:
         "",
         f"{'rows x q x ctx':>16} {'step ms':>8} {'roofline':>8} {'ratio':>6}  "
         + " ".join(f"{p:>15}" for p in PARTS)
-        + ("  SDPA step ms (specd / SDPA)" if sdpa else ""),
+        + (f"  {args.compare} step ms (ratio)" if other else ""),
     ]
     for s in shapes:
         nbytes = step_bytes(runner, *s)
@@ -247,9 +252,9 @@ def report(runner, args, bandwidth, shapes, times, parts) -> list[str]:
             floor = f" ({nbytes[p] / bandwidth * 1e3:.2f})" if p in nbytes else ""
             cells.append(f"{v:.2f}{floor}".rjust(15))
         name = "x".join(map(str, s))
-        other = f"  {sdpa[s]:8.2f} ({med[s] / sdpa[s]:.2f}x)" if s in sdpa else ""
+        beside = f"  {other[s]:8.2f} ({med[s] / other[s]:.2f}x)" if s in other else ""
         head = f"{name:>16} {med[s]:8.2f} {roof:8.2f} {med[s] / roof:5.2f}x  "
-        out.append(head + " ".join(cells) + other)
+        out.append(head + " ".join(cells) + beside)
     out += ["", "## the issue's ratios (same run)"]
     contexts = sorted({c for _, _, c in shapes})
     for c in contexts:

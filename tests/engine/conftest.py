@@ -33,3 +33,20 @@ def byte_models(byte_tok):
     """(target: 2 layers, draft: 1 layer) over the byte tokenizer's vocabulary."""
     make = dict(vocab=byte_tok.vocab_size, hidden=32, heads=2, kv_heads=1, max_positions=64)
     return tiny_llama(11, layers=2, sharpen=6.0, **make), tiny_llama(12, layers=1, **make)
+
+
+@pytest.fixture
+def invariant_calls(monkeypatch) -> list[int]:
+    """One entry per call of the batch-invariant forward (engine/model/invariant.py) during the
+    test: a test of deterministic mode proves which forward ran."""
+    from engine.model import invariant
+
+    calls: list[int] = []
+    real = invariant.forward
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(invariant, "forward", forward)
+    return calls

@@ -19,7 +19,7 @@ import contextlib
 import pytest
 import torch
 
-from engine.model import attention, invariant
+from engine.model import attention
 from engine.records.params import SamplingParams, SpecParams
 from tests.helpers import assert_speculated, engine_for, tiny_llama
 
@@ -49,20 +49,6 @@ def sdpa_when_off(request):
     off = callspec is not None and callspec.params.get("mode") == "off"
     with attention.only_sdpa() if off else contextlib.nullcontext():
         yield
-
-
-@pytest.fixture
-def invariant_calls(monkeypatch) -> list[int]:
-    """One entry per call of the batch-invariant forward during the test."""
-    calls: list[int] = []
-    real = invariant.forward
-
-    def forward(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(invariant, "forward", forward)
-    return calls
 
 
 def engine(target, drafter, mode="always", slots=8):

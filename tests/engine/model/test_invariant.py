@@ -24,20 +24,6 @@ def runner(request):
     return ModelRunner(m.to(request.param), num_slots=4, max_len=128)
 
 
-@pytest.fixture
-def invariant_calls(monkeypatch) -> list[int]:
-    """One entry per call of the batch-invariant forward during the test."""
-    calls: list[int] = []
-    real = invariant.forward
-
-    def forward(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(invariant, "forward", forward)
-    return calls
-
-
 def feed(
     r: ModelRunner, slot: int, pieces: list[int], beside: list[list[int]] = (), inv: bool = True
 ):
