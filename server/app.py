@@ -4,7 +4,8 @@ Routes: the generation routes (server/routes.py), ``GET /v1/models``, and, open 
 key, ``GET /health`` (liveness: 200 while the process serves HTTP, draining included, unless
 the engine loop has held requests for ``health_stall_s`` without coming round: 503),
 ``GET /ready`` (readiness: 503 until the engine loop runs, is warmed up and healthy, and again
-from the moment a drain starts) and ``GET /metrics`` (Prometheus). Middleware, outermost
+from the moment a drain starts), ``GET /metrics`` (Prometheus) and vLLM's ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version`` (server/tokenize.py). Middleware, outermost
 first: CORS (only when origins are configured), the API key guard and request counts, body
 limits (server/middleware.py). Every error answers in OpenAI's shape (server/errors.py).
 """
@@ -29,6 +30,7 @@ from .middleware import BodyLimits, Guard
 from .openapi import ERROR_RESPONSES, finish_schema
 from .routes import ENDPOINTS, Serving, add_generation_routes
 from .settings import ServerSettings
+from .tokenize import add_tokenize_routes
 
 
 def create_app(
@@ -138,4 +140,5 @@ def create_app(
         grammars = getattr(getattr(worker, "engine", None), "grammars", None)
     serving = Serving(worker, tokenizer, served, capacity, settings, metrics, fingerprint, grammars)
     add_generation_routes(app, serving)
+    add_tokenize_routes(app, tokenizer, served, capacity.max_model_len, capacity.vocab_size)
     return app

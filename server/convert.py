@@ -244,7 +244,15 @@ def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
     return Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer, tools: ToolMode | None = None) -> list[int]:
+def chat_prompt(
+    req: ChatCompletionRequest,
+    tokenizer,
+    tools: ToolMode | None = None,
+    *,
+    generation_prompt: bool = True,
+) -> list[int]:
+    """The conversation's token ids as the model's chat template renders it
+    (``generation_prompt``: the assistant's turn opened, as a chat request runs it)."""
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -265,7 +273,9 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, tools: ToolMode | None = 
         else:
             messages.insert(0, {"role": "system", "content": head})
     try:  # a template may refuse the conversation (e.g. role order)
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, return_dict=True
+        )
         return list(out["input_ids"])
     except TemplateError as e:  # the template's own message (raise_exception) is for the user
         why = str(e)[:200]

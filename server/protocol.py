@@ -160,6 +160,43 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
 
 
+# -- vLLM's tokenizer routes ---------------------------------------------------------------------
+class TokenizeCompletionRequest(_Req):
+    """``POST /tokenize`` of a text, as ``/v1/completions`` would tokenize it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Req):
+    """``POST /tokenize`` of a conversation, rendered by the model's chat template as
+    ``/v1/chat/completions`` renders it (``add_generation_prompt``: the assistant's turn opened)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Req):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 # -- responses ------------------------------------------------------------------------------
 class SpeculationUsage(BaseModel):
     drafted_tokens: int = 0  # the chains' drafts

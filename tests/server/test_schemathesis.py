@@ -138,6 +138,9 @@ OPERATIONS = [
     ("GET", "/health", None),
     ("GET", "/ready", None),
     ("GET", "/metrics", None),
+    ("POST", "/tokenize", None),
+    ("POST", "/detokenize", None),
+    ("GET", "/version", None),
 ]
 
 
