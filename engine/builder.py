@@ -263,7 +263,6 @@ def make_engine(
     grammars: GrammarCompiler | None = None,
     controller: KController | None = None,
     accept: AcceptRule = rejection_sample,
-    plain_invariant: bool = False,
 ) -> SpecEngine:
     """The engine ``cfg`` describes over ``runner`` and ``drafter`` (``controller``: default
     ``cfg.drafter``'s, :func:`make_controller`; ``accept``: the acceptance rule, the exact one
@@ -286,7 +285,6 @@ def make_engine(
         kv_cache_tokens=cfg.kv_cache_tokens,
         bulk_slots=cfg.bulk_slots,
         seed=cfg.seed,
-        plain_invariant=plain_invariant,
     )
 
 
@@ -294,8 +292,9 @@ def target_runner(
     cfg: EngineConfig, model, taps: tuple[int, ...] = (), weights: ModelWeights | None = None
 ) -> ModelRunner:
     """The target's runner ``cfg`` describes, tapping ``taps`` for the drafter, over
-    ``weights`` (default: the model's dense ones), with ``cfg.compile``'s fast path (under
-    deterministic "always" too: where the plain forward proves batch-invariant, it serves)."""
+    ``weights`` (default: the model's dense ones), with ``cfg.compile``'s fast path unless every
+    forward is the batch-invariant one (deterministic "always")."""
+    always = cfg.deterministic == "always"
     pool = None  # "slots"
     if cfg.kv_layout == "paged":  # the scheduler's budget (its default: every slot full), and
         # the prefix cache's positions, which over a paged cache are the pool's free blocks
@@ -307,7 +306,7 @@ def target_runner(
         cfg.max_model_len,
         taps=taps,
         weights=weights,
-        compile=cfg.compile,
+        compile=None if always else cfg.compile,
         k_max=cfg.drafter.k_max if cfg.drafter.method != "none" else 0,  # verifies of K + 1
         pool_tokens=pool,
         block_size=cfg.prefix_block_size,
@@ -336,13 +335,7 @@ def build_engine(cfg: EngineConfig, target=None) -> Built:
     runner = target_runner(cfg, model, taps, weights)
     drafter = make_drafter(cfg, model, tok, runner, head=head)
     grammars = GrammarCompiler(tok, runner.vocab_size)
-    plain = cfg.deterministic != "off" and invariant.plain_is_invariant(runner)
-    if cfg.deterministic != "off" and not plain:
-        invariant.check(runner)  # RuntimeError where this machine's kernels are not invariant
+    engine = make_engine(cfg, runner, drafter, eos_ids(model, tok), grammars)
     if cfg.deterministic != "off":
-        log.info(
-            "deterministic mode: %s",
-            "the plain forward is batch-invariant here" if plain else "batch-invariant forward",
-        )
-    engine = make_engine(cfg, runner, drafter, eos_ids(model, tok), grammars, plain_invariant=plain)
+        invariant.check(runner)  # RuntimeError where this machine's kernels are not invariant
     return Built(engine, tok, cfg)

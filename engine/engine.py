@@ -64,7 +64,6 @@ class SpecEngine:
         kv_cache_tokens: int | None = None,
         bulk_slots: int | None = None,
         seed: int | None = None,
-        plain_invariant: bool = False,
     ):
         """``accept``: the round's acceptance rule, the exact rejection rule unless a benchmark
         builds the engine with a synthetic one (then not lossless: the worker refuses it).
@@ -116,7 +115,6 @@ class SpecEngine:
         self.deterministic = (
             deterministic  # "off" | "request" | "always" (engine/model/invariant.py)
         )
-        self.plain_invariant = plain_invariant
         # several prompt chunks to one forward (prefill.py): on CUDA only, where an eager forward
         # costs about the same for 1 or 4 short prompts; on CPU, where a forward is
         # compute-bound, the padding made it slower (docs/measurements.md)
@@ -253,8 +251,6 @@ class SpecEngine:
         engine always runs them, or a row asked (every forward of a deterministic request,
         chunks and rounds, is then invariant)."""
         mode = self.deterministic
-        if self.plain_invariant:  # the plain forward is invariant already, and faster
-            return False
         return mode == "always" or (mode == "request" and any(s.params.deterministic for s in seqs))
 
     def _calibrate_once(self) -> None:

@@ -180,39 +180,3 @@ def check(runner: Stack, probe: int | None = None) -> None:
                 f"deterministic mode: logits fed {step} token(s) a forward differ from one chunk "
                 f"by up to {diff:.3g} on this machine; its kernels are not batch-invariant"
             )
-
-
-def plain_is_invariant(runner: Stack, probe: int | None = None) -> bool:
-    """Whether the runner's own forward is batch-invariant here, so deterministic mode needs no
-    forward of its own: on CPU, specd's 4-bit matmul and attention kernels compute each row
-    alone and the compiled graphs round as the eager ops do (engine/model/attention.py,
-    engine/model/compiled.py ``eager_numerics``). Proved as :func:`check` proves its forward, on
-    the model's own weights: ``probe`` tokens fed as one eager chunk (a prefill), then one and
-    two tokens a forward, alone and beside another row (the fast path's shapes: a 1-row or
-    1-token graph is compiled apart from the others), must give bit-identical logits. Needs two
-    free slots; leaves them empty."""
-    probe = probe or TILE + 3
-    cache = runner.cache
-    free = cache.free_slots()[:2]
-    if len(free) < 2:
-        return False
-    a, b = (cache.allocate(s) for s in free)
-    g = torch.Generator().manual_seed(1)
-    toks = torch.randint(0, runner.vocab_size, (probe,), generator=g).tolist()
-    try:
-        with runner.eager():
-            whole = runner.forward([toks], [a], logits="all").logits[0]  # [probe, vocab]
-        for step in (1, 2):
-            for beside in (False, True):
-                pieces = []
-                for i in range(0, probe, step):
-                    cache.commit(a, i)
-                    rows = [toks[i : i + step]] + ([toks[: step + 1]] if beside else [])
-                    out = runner.forward(rows, [a, b][: len(rows)], logits="all").logits
-                    pieces.append(out[0, : len(toks[i : i + step])])
-                if not torch.equal(torch.cat(pieces), whole):
-                    return False
-    finally:
-        cache.free(a)
-        cache.free(b)
-    return True

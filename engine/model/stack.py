@@ -7,7 +7,6 @@ in this package point one way: the runner builds its strategies, they know only 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -43,10 +42,6 @@ class Stack(Protocol):
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, positions) -> (cos, sin)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...
-
-    def eager(self) -> AbstractContextManager[None]:
-        """Forwards inside run the eager path."""
-        ...
 
     def forward(
         self,
