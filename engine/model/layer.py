@@ -280,43 +280,32 @@ def decoder_layer(
     qk = qk.view(B, q, nh + kvh, hd).transpose(1, 2)
     qk = qk * cos + rotate_half(qk) * sin  # [batch, heads + kv_heads, q, head_dim]
     qs, ks = qk[:, :nh], qk[:, nh:]  # [batch, heads | kv_heads, q, head_dim]
-    if attention.uses_kernel(qs, hd) and mask.dtype == torch.bool and mask.shape[-2] == q:
-        # specd's CPU kernel, reading the cache where it lies (a boolean mask a query: an
-        # additive or grouped one, which callers build for SDPA, runs there)
-        if read_idx is not None:  # paged: kc/vc [pool positions, kv_heads, head_dim]
-            kc[write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
-            vc[write_pos] = vs
-        else:
-            kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)
-            vc[slot_t[:, None], :, write_pos] = vs
-        o = attention.attend(qs, kc, vc, mask, slot_t, read_idx)  # [batch, q, heads * head_dim]
-        h = h + linear(o, w.o)
-        return _mlp(h, w, shape)
     if read_idx is not None:  # paged: kc/vc [pool positions, kv_heads, head_dim]
         kc[write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
         vc[write_pos] = vs
-        # [batch, kv_heads, kv_len, head_dim]: gathered, then a transposed view
-        keys, vals = kc[read_idx].transpose(1, 2), vc[read_idx].transpose(1, 2)
     else:
         kc[slot_t[:, None], :, write_pos] = ks.transpose(1, 2)  # [batch, q, kv_heads, head_dim]
         vc[slot_t[:, None], :, write_pos] = vs
-        if first_slot is not None:  # views: [batch, kv_heads, kv_len, head_dim]
+    if attention.uses_kernel(qs, hd) and mask.dtype == torch.bool and mask.shape[-2] == q:
+        # specd's CPU kernel, reading the cache where it lies (a boolean mask a query: an
+        # additive or grouped one, which callers build for SDPA, runs there)
+        o = attention.attend(qs, kc, vc, mask, slot_t, read_idx)  # [batch, q, heads * head_dim]
+    else:
+        if read_idx is not None:  # [batch, kv_heads, kv_len, head_dim]: gathered, transposed
+            keys, vals = kc[read_idx].transpose(1, 2), vc[read_idx].transpose(1, 2)
+        elif first_slot is not None:  # views: [batch, kv_heads, kv_len, head_dim]
             keys = kc[first_slot : first_slot + B, :, :kv_len]
             vals = vc[first_slot : first_slot + B, :, :kv_len]
         else:
             keys, vals = kc[slot_t, :, :kv_len], vc[slot_t, :, :kv_len]
-    if groups_queries(shape, qs):
-        o = grouped_sdpa(qs, keys, vals, mask, hd**-0.5)
-    else:
-        o = F.scaled_dot_product_attention(
-            qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
-        )  # [batch, heads, q, head_dim]
-    h = h + linear(o.transpose(1, 2).reshape(B, q, nh * hd), w.o)
-    return _mlp(h, w, shape)
-
-
-def _mlp(h: torch.Tensor, w: LayerWeights, shape: LayerShape) -> torch.Tensor:
-    """The layer's second half: h ``[batch, q, hidden]`` plus the MLP of its norm."""
+        if groups_queries(shape, qs):
+            o = grouped_sdpa(qs, keys, vals, mask, hd**-0.5)
+        else:
+            o = F.scaled_dot_product_attention(
+                qs, keys, vals, attn_mask=mask, scale=hd**-0.5, enable_gqa=kvh != nh
+            )  # [batch, heads, q, head_dim]
+        o = o.transpose(1, 2).reshape(B, q, nh * hd)
+    h = h + linear(o, w.o)
     x = rms_norm(h, w.post_norm, shape.eps)
     g, u = project_gate_up(x, w)
     g = F.silu(g) if shape.act == "silu" else ACT2FN[shape.act](g)
