@@ -306,7 +306,7 @@ class AdaptiveK(KController):
     def calibrate(self, target, draft, free_slots, invariant=False):
         """Start-up calibration of the cost model (the engine calls it until it could run)."""
         if free_slots:
-            calibrate(self.cost, target, draft, free_slots, invariant=invariant)
+            calibrate(self.cost, target, draft, free_slots, invariant=invariant, k_max=self.k_max)
             self.calibrated = True
 
     # -- the rule -------------------------------------------------------------------------------

@@ -332,6 +332,11 @@ class ModelRunner:
             return q4_linear(torch.cat([h, h], dim=-1), self.head).float()
         return self.lm_head(h).float()
 
+    def buckets(self) -> tuple[list[int], list[int]] | None:
+        """The fast path's (row buckets, q buckets), or None where forwards run eagerly."""
+        fast = self._fast
+        return None if fast is None else (list(fast.batch_buckets), list(fast.q_buckets))
+
     def padded_shape(self, batch: int, q: int) -> tuple[int, int]:
         """The (rows, query tokens) that a forward of ``batch`` rows of ``q`` tokens really runs:
         the fast path's buckets when it handles the shape (rows counted as if the batch held the

@@ -4,7 +4,7 @@ every forward it times goes through engine.kcontrol.timing."""
 import pytest
 
 import engine.kcontrol.timing
-from engine.kcontrol.calibration import calibrate
+from engine.kcontrol.calibration import calibrate, shapes
 from engine.kcontrol.controller import AdaptiveK
 from engine.kcontrol.cost import RoundCost
 from engine.model.runner import ModelRunner
@@ -47,8 +47,10 @@ def test_adds_points_at_the_calibration_shapes(runners):
     target, draft = runners
     cost = Recorder()
     calibrate(cost, target, draft, target.cache.free_slots())
-    assert [(b, w) for b, w, _ in cost.points] == [(b, w) for b in (1, 4) for w in (0, 1, 3, 7)]
-    assert [(b, c) for b, _, c in cost.steps] == [(1, 0), (1, 7), (4, 0), (4, 28)]  # catch-ups
+    # no fast path: powers of two and every free slot, widths (0, 1, 3) and K_max = 7
+    expected = [(b, w) for b in (1, 2, 4, 6) for w in (0, 1, 3, 7)]
+    assert [(b, w) for b, w, _ in cost.points] == expected
+    assert [(b, c) for b, _, c in cost.steps] == [(1, 0), (1, 7), (6, 0), (6, 42)]  # catch-ups
     assert all(s > 0 for *_, s in cost.points) and all(s > 0 for _, s, _ in cost.steps)
     assert_all_free(target, draft)
 
@@ -75,8 +77,8 @@ def test_every_timed_forward_goes_through_engine_timing(runners, monkeypatch):
     timed_shapes = 2 * (4 + 2)  # batches {1, 2} x (4 target widths + 2 draft steps)
     assert len(synced) == 2 * 2 * timed_shapes  # before and after each of 2 timed repeats
     assert all(d == target.device for d in synced)
-    # 2 context forwards per runner, then 1 warm-up + 2 timed forwards per shape
-    assert forwards.count("all") == 3 * timed_shapes and len(forwards) == 4 + 3 * timed_shapes
+    # 1 context forward per runner, then 1 warm-up + 2 timed forwards per shape
+    assert forwards.count("all") == 3 * timed_shapes and len(forwards) == 2 + 3 * timed_shapes
     assert_all_free(target, draft)
 
 
@@ -131,8 +133,53 @@ def test_times_the_lowest_free_slots(runners, monkeypatch):
         return forward(rows, slots, *args, **kwargs)
 
     monkeypatch.setattr(target, "forward", spy)
-    calibrate(Recorder(), target, None, target.cache.free_slots())
+    calibrate(Recorder(), target, None, target.cache.free_slots(), max_batch=4)
     assert target.cache.free_slots()[0] == 5  # highest first
     assert {s for slots in seen for s in slots} == {0, 1, 2, 3}
     assert [0] in seen and [0, 1, 2, 3] in seen
     assert_all_free(target)
+
+
+class Bucketed:
+    def __init__(self, rows, qs):
+        self._b = (rows, qs)
+
+    def buckets(self):
+        return self._b
+
+
+def test_shapes_are_the_fast_paths_buckets():
+    """Calibration times one forward per verify shape the fast path runs: its row buckets up to
+    the free slots, its q buckets up to K_max + 1 (a width is q - 1)."""
+    runner = Bucketed([1, 2, 4, 8, 16], [1, 2, 4, 8])
+    assert shapes(runner, 16, 7) == ([1, 2, 4, 8, 16], [0, 1, 3, 7])
+    assert shapes(runner, 6, 3) == ([1, 2, 4], [0, 1, 3])
+    assert shapes(runner, 0, 3) == ([], [0, 1, 3])
+
+
+def test_context_is_copied_not_prefilled_per_slot(runners, monkeypatch):
+    """One slot's context is computed and copied to the other slots: the context costs one
+    prefill a runner, and every timed row attends over the same context."""
+    target, draft = runners
+    contexts, copies = [], []
+    for r in (target, draft):
+        real, real_copy = r.forward, r.cache.copy
+
+        def counting(*a, _real=real, _r=r, **kw):
+            if kw.get("logits") != "all":
+                contexts.append(_r)
+            return _real(*a, **kw)
+
+        def copying(src, dst, length, _real=real_copy, _r=r):
+            copies.append((_r, src, dst, length))
+            return _real(src, dst, length)
+
+        monkeypatch.setattr(r, "forward", counting)
+        monkeypatch.setattr(r.cache, "copy", copying)
+    calibrate(Recorder(), target, draft, target.cache.free_slots(), prefix=40)
+    assert contexts == [target, draft]
+    assert sorted((d, length) for r, _, d, length in copies if r is target) == [
+        (s, 40) for s in range(1, 6)
+    ]
+    assert {src for _, src, _, _ in copies} == {0}
+    assert_all_free(target, draft)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from engine.kcontrol.cost import EWLeastSquares, RoundCost
+from engine.kcontrol.cost import EWLeastSquares, ForwardTable, RoundCost
 
 
 def test_ew_least_squares_recovers_a_line():
@@ -77,3 +77,60 @@ def test_the_draft_phase_fit_separates_steps_from_catch_up():
     got = cost.predict(8, 1, 2, 100) - cost.predict(8, 1, 0)
     assert got == pytest.approx(2 * (d + e * 8) + g * 100, rel=1e-3)
     assert cost.predict(8, 1, 2) - cost.predict(8, 1, 0) == pytest.approx(2 * (d + e * 8), 1e-3)
+
+
+def _bucketed(batch, q):
+    return next(b for b in (1, 2, 4, 8, 16) if b >= batch), next(b for b in (1, 2, 4, 8) if b >= q)
+
+
+def _forward_s(rows, q):
+    """A forward bound by reading the weights up to 8 row-tokens and by compute past that."""
+    return 0.008 + 0.0002 * rows + 0.0004 * max(0, rows * q - 8) ** 1.2
+
+
+CALIBRATED = [(b, w) for b in (1, 2, 4, 8, 16) for w in (0, 1, 3, 7)]
+
+
+def test_each_timed_shape_is_priced_as_timed_however_far_from_a_line():
+    cost = RoundCost(shape=_bucketed)
+    for b, w in CALIBRATED:
+        cost.add_calibration(b, w, _forward_s(b, w + 1))
+    assert len(cost.forward) == len(CALIBRATED)
+    for b, w in CALIBRATED:
+        assert cost.predict(b, w, 0) == pytest.approx(_forward_s(b, w + 1), rel=1e-6)
+    assert cost.predict(5, 5, 0) == pytest.approx(_forward_s(8, 8), rel=1e-6)  # padded
+    # control: the linear features alone miss the wide verify at 8 rows by far
+    x = np.array([(1, b, b * w, b * (w > 0)) for b, w in CALIBRATED], dtype=float)
+    y = np.array([_forward_s(b, w + 1) for b, w in CALIBRATED])
+    line = np.linalg.lstsq(x, y, rcond=None)[0]
+    assert abs(line @ (1, 8, 56, 8) - _forward_s(8, 8)) > 0.1 * _forward_s(8, 8)
+
+
+def test_rounds_refit_the_timed_forward_s_scale_and_the_host_work():
+    """Rounds cost 1.15x the timed forwards (a busier machine) plus host work per row; after
+    the rounds the model prices every calibrated shape so, the ones no round ran included."""
+    cost = RoundCost(shape=_bucketed, decay=0.99)
+    for b, w in CALIBRATED:
+        cost.add_calibration(b, w, _forward_s(b, w + 1))
+
+    def round_s(b, w):
+        rows, q = _bucketed(b, w + 1)
+        return 1.15 * _forward_s(rows, q) + 0.0003 + 0.00005 * rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        b, w = (1, 8)[int(rng.integers(0, 2))], int(rng.choice([0, 1, 3, 7]))
+        cost.observe(b, w, 0, round_s(b, w), 0.0)
+    for b, w in CALIBRATED:
+        assert cost.predict(b, w, 0) == pytest.approx(round_s(b, w), rel=0.05)
+
+
+def test_interpolates_between_timed_shapes():
+    cost = RoundCost()
+    for b in (1, 4):
+        for w in (0, 3):
+            cost.add_calibration(b, w, 0.01 * b + 0.002 * w)
+    assert cost.forward(2, 1) == pytest.approx(0.02)
+    assert cost.forward(2, 4) == pytest.approx(0.026)
+    assert cost.forward(8, 4) >= cost.forward(4, 4)  # past the ends: never cheaper
+    assert ForwardTable()(4, 4) == 0.0
