@@ -31,9 +31,14 @@ from engine.model.q4_matmul import build_extension, cpu_has_flags, probe_kernel
 log = logging.getLogger("specd.attention")
 _SRC = Path(__file__).with_name("csrc") / "attention.cpp"
 # the builds, best first: (name, the CPU flags it needs, more compiler flags)
+# (-ffp-contract=off: the kernel's arithmetic is its source, csrc/attention.cpp says why)
 BUILDS = (
-    ("avx512", ("avx512f", "avx512bw", "avx512vl", "fma"), ("-mprefer-vector-width=512",)),
-    ("avx2", ("avx2", "fma"), ()),
+    (
+        "avx512",
+        ("avx512f", "avx512bw", "avx512vl", "fma"),
+        ("-mprefer-vector-width=512", "-ffp-contract=off"),
+    ),
+    ("avx2", ("avx2", "fma"), ("-ffp-contract=off",)),
 )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -130,12 +131,16 @@ def build_extension(name: str, src: Path, flags: list[str], extra: tuple[str, ..
     activated): the loader needs it."""
     from torch.utils.cpp_extension import load
 
+    # the build folder is named by the source and flags too: checkouts of different sources (a
+    # worktree beside the main one, an upgrade) never rebuild each other's library in turn, nor
+    # wait on each other's build lock
+    digest = hashlib.sha256(src.read_bytes() + repr((flags, extra)).encode()).hexdigest()[:10]
     here = str(Path(sys.executable).parent)
     if (Path(here) / "ninja").exists() and here not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
     cflags = ["-O3", "-fopenmp"] + ["-m" + f.replace("_", "") for f in flags] + list(extra)
     load(
-        name,
+        f"{name}_{digest}",
         [str(src)],
         extra_cflags=cflags,
         extra_ldflags=["-fopenmp"],

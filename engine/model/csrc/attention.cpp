@@ -17,19 +17,28 @@
 // softmax runs online over the blocks in key order, each split's partial (max, sum, weighted
 // values) is combined with the others in split order, and the boundaries of blocks and splits
 // are absolute key positions. So a row's output is a function of its own query, keys, values
-// and mask alone (batch invariance by construction). The same source is compiled for AVX-512
-// and for AVX2 (engine/model/attention.py); the loops are written for the compiler to
-// vectorize in either.
+// and mask alone (batch invariance by construction). The file is built with -ffp-contract=off
+// and its multiply-adds are written as fma16, so that arithmetic is the source's, not whatever the
+// compiler contracts in each inlined copy of a loop.
+//
+// Where the time goes: a block's keys are transposed with lane shuffles (a 16 x 16 transpose in
+// four stages), not element by element; a row's softmax works on whole lane vectors (masks,
+// maximum, the weights' sum as a fixed tree); the rows of a tile go three at a time, so their
+// independent multiply-add chains fill both FMA pipes. The same source is compiled for AVX-512
+// and for AVX2 (engine/model/attention.py): GCC's vector extension emits either ISA.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -73,6 +82,105 @@ inline vf16 exp_neg(vf16 x) {
 inline float exp_scalar(float x) {
   vf16 v = vf16{} + x;
   return exp_neg(v)[0];
+}
+
+// a * b + c rounded once, lane by lane. The file is built with -ffp-contract=off, so every other
+// expression rounds as written: a row's arithmetic is its source, whatever the compiler does
+// with the loops around it (how many rows it interleaves, how it unrolls).
+#if defined(__AVX512F__)
+inline vf16 fma16(vf16 a, vf16 b, vf16 c) {
+  return reinterpret_cast<vf16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+}
+#else
+typedef float vf8 __attribute__((vector_size(32)));
+inline vf16 fma16(vf16 a, vf16 b, vf16 c) {
+  vf8 h[3][2];
+  std::memcpy(h[0], &a, 64), std::memcpy(h[1], &b, 64), std::memcpy(h[2], &c, 64);
+  vf8 r[2];
+  for (int i = 0; i < 2; ++i)
+    r[i] = reinterpret_cast<vf8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(h[0][i]),
+                                                 reinterpret_cast<__m256>(h[1][i]),
+                                                 reinterpret_cast<__m256>(h[2][i])));
+  vf16 out;
+  std::memcpy(&out, r, 64);
+  return out;
+}
+#endif
+inline vf16 fma16(float a, vf16 b, vf16 c) { return fma16(vf16{} + a, b, c); }
+
+// Two-source lane shuffles with constant indices (lanes 0-15 of a, 16-31 of b).
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, vi16{__VA_ARGS__})
+#endif
+
+// 16 vectors transposed in place (m[j][l] -> m[l][j]) in four stages, stage k exchanging bit k
+// of the row and the column index between rows r and r + 2^k: moves only, no arithmetic.
+inline void transpose16(vf16* m) {
+  for (int r = 0; r < 16; ++r) {
+    if (r & 1) continue;
+    const vf16 a = m[r], b = m[r | 1];
+    m[r] = SHUF(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    m[r | 1] = SHUF(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  for (int r = 0; r < 16; ++r) {
+    if (r & 2) continue;
+    const vf16 a = m[r], b = m[r | 2];
+    m[r] = SHUF(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    m[r | 2] = SHUF(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int r = 0; r < 16; ++r) {
+    if (r & 4) continue;
+    const vf16 a = m[r], b = m[r | 4];
+    m[r] = SHUF(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    m[r | 4] = SHUF(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int r = 0; r < 16; ++r) {
+    if (r & 8) continue;
+    const vf16 a = m[r], b = m[r | 8];
+    m[r] = SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    m[r | 8] = SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+}
+
+// The largest lane (exact in any order).
+inline float hmax(vf16 v) {
+  vf16 w = SHUF(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  v = v > w ? v : w;
+  w = SHUF(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  v = v > w ? v : w;
+  w = SHUF(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  v = v > w ? v : w;
+  w = SHUF(v, v, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+  v = v > w ? v : w;
+  return v[0];
+}
+
+// The lanes' sum as a fixed tree: lane j + lane j + 8, then + 4, + 2, + 1.
+inline float hsum(vf16 v) {
+  v += SHUF(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  v += SHUF(v, v, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+  v += SHUF(v, v, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  v += SHUF(v, v, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1);
+  return v[0];
+}
+
+// KB consecutive elements as float32 lanes (bfloat16: its 16 bits are a float32's high half).
+typedef uint16_t vh16 __attribute__((vector_size(KB * 2)));
+typedef uint8_t vb16 __attribute__((vector_size(KB)));
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vf16 load16(const c10::BFloat16* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof(h));
+  vi16 u = __builtin_convertvector(h, vi16) << 16;
+  return reinterpret_cast<vf16&>(u);
 }
 
 struct Geometry {
@@ -123,7 +231,9 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
     vf16 vv[KB][NV];  // the block's values
     vf16 acc[RT][NV];
     float m[RT], l[RT];
-    bool see[RT][KB];
+    vi16 see[RT];  // lane j: the row sees key j of the block (-1) or not (0)
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vf16 neg_inf = vf16{} + NEG_INF;
     for (int64_t it = i0; it < i1; ++it) {
       int64_t rest = it;
       const int64_t tile = rest % g.tiles;
@@ -143,16 +253,22 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       const int64_t k0 = c * CHUNK, k1 = std::min(g.kv_len, k0 + CHUNK);
       for (int64_t j0 = k0; j0 < k1; j0 += KB) {
         const int64_t nk = std::min(KB, k1 - j0);
-        bool any = false;
+        const vi16 in_block = lane < static_cast<int32_t>(nk);
+        vi16 any{};
         for (int64_t r = 0; r < nr; ++r) {
           const bool* row = mp + b * ms0 + ((r0 + r) % g.Q) * ms2 + j0;
-          for (int64_t j = 0; j < KB; ++j) any |= (see[r][j] = j < nk && row[j]);
+          vb16 bits{};
+          std::memcpy(&bits, row, nk);  // bool is one byte, 0 or 1
+          see[r] = (__builtin_convertvector(bits, vi16) != 0) & in_block;
+          any |= see[r];
         }
-        if (!any) continue;  // no query of the tile sees these keys: not read
+        bool seen = false;
+        for (int j = 0; j < KB; ++j) seen |= any[j] != 0;
+        if (!seen) continue;  // no query of the tile sees these keys: not read
+        vf16 kraw[KB][NV];
         for (int64_t j = 0; j < KB; ++j) {
           if (j >= nk) {
-            for (int d = 0; d < D; ++d) kt[d][j] = 0.0f;
-            for (int i = 0; i < NV; ++i) vv[j][i] = vf16{};
+            for (int i = 0; i < NV; ++i) kraw[j][i] = vv[j][i] = vf16{};
             continue;
           }
           const int64_t pos = j0 + j;
@@ -165,45 +281,62 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
             kj = kp + sp[b] * ks0 + kvh * ks1 + pos * ks2;
             vj = vp + sp[b] * vs0 + kvh * vs1 + pos * vs2;
           }
-          for (int d = 0; d < D; ++d) kt[d][j] = to_float(kj[d]);
-          float* vrow = reinterpret_cast<float*>(vv[j]);
-          for (int d = 0; d < D; ++d) vrow[d] = to_float(vj[d]);
+          for (int i = 0; i < NV; ++i) {
+            kraw[j][i] = load16(kj + i * KB);
+            vv[j][i] = load16(vj + i * KB);
+          }
         }
-        for (int64_t r = 0; r < nr; ++r) {
+        for (int i = 0; i < NV; ++i) {  // KB x KB blocks of the keys, transposed
+          vf16* blk = &kt[i * KB];
+          for (int j = 0; j < KB; ++j) blk[j] = kraw[j][i];
+          transpose16(blk);
+        }
+        // RR rows at a time: their independent chains keep both FMA pipes busy (one row's
+        // four partial sums alone wait on the FMA latency); each row's arithmetic is its own
+        auto step = [&](int64_t r, auto rows_tag) {
+          constexpr int RR = decltype(rows_tag)::value;
+          vf16 s0[RR], s1[RR], s2[RR], s3[RR];
+          for (int x = 0; x < RR; ++x) s0[x] = s1[x] = s2[x] = s3[x] = vf16{};
           // scores of the block's KB keys: four partial sums over d, added in a fixed order
-          const float* qr = qf[r];
-          vf16 s0{}, s1{}, s2{}, s3{};
           for (int d = 0; d < D; d += 4) {
-            s0 += qr[d] * kt[d];
-            s1 += qr[d + 1] * kt[d + 1];
-            s2 += qr[d + 2] * kt[d + 2];
-            s3 += qr[d + 3] * kt[d + 3];
+            for (int x = 0; x < RR; ++x) {
+              const float* qr = qf[r + x];
+              s0[x] = fma16(qr[d], kt[d], s0[x]);
+              s1[x] = fma16(qr[d + 1], kt[d + 1], s1[x]);
+              s2[x] = fma16(qr[d + 2], kt[d + 2], s2[x]);
+              s3[x] = fma16(qr[d + 3], kt[d + 3], s3[x]);
+            }
           }
-          vf16 sv = (s0 + s1) + (s2 + s3);
-          float bmax = NEG_INF;
+          vf16 pv[RR], a[RR][NV];
+          float corr[RR], mnew[RR];
+          bool live[RR];
+          for (int x = 0; x < RR; ++x) {
+            const vf16 sv = see[r + x] != 0 ? (s0[x] + s1[x]) + (s2[x] + s3[x]) : neg_inf;
+            const float bmax = hmax(sv);
+            live[x] = bmax != NEG_INF;  // else the row sees none of these keys: unchanged
+            const float m0 = m[r + x];
+            mnew[x] = std::max(m0, bmax);
+            // e^(m - mnew) is exactly 1 where the maximum stays (exp_neg(0) is 1)
+            corr[x] = m0 == NEG_INF ? 0.0f : mnew[x] == m0 ? 1.0f : exp_scalar(m0 - mnew[x]);
+            pv[x] = see[r + x] != 0 && live[x] ? exp_neg(sv - mnew[x]) : vf16{};
+            for (int i = 0; i < NV; ++i) a[x][i] = acc[r + x][i] * corr[x];
+          }
           for (int j = 0; j < KB; ++j) {
-            sv[j] = see[r][j] ? sv[j] : NEG_INF;
-            bmax = std::max(bmax, sv[j]);
+            for (int x = 0; x < RR; ++x) {
+              const float pj = pv[x][j];
+              for (int i = 0; i < NV; ++i) a[x][i] = fma16(pj, vv[j][i], a[x][i]);
+            }
           }
-          if (bmax == NEG_INF) continue;  // the row sees none of these keys: unchanged
-          const float mnew = std::max(m[r], bmax);
-          const float corr = m[r] == NEG_INF ? 0.0f : exp_scalar(m[r] - mnew);
-          vf16 pv = exp_neg(sv - mnew);
-          for (int j = 0; j < KB; ++j) pv[j] = see[r][j] ? pv[j] : 0.0f;
-          float half[KB / 2];  // the weights' sum as a fixed tree
-          for (int j = 0; j < KB / 2; ++j) half[j] = pv[j] + pv[j + KB / 2];
-          for (int w = KB / 4; w > 0; w /= 2)
-            for (int j = 0; j < w; ++j) half[j] += half[j + w];
-          vf16 a[NV];
-          for (int i = 0; i < NV; ++i) a[i] = acc[r][i] * corr;
-          for (int j = 0; j < KB; ++j) {
-            const float pj = pv[j];
-            for (int i = 0; i < NV; ++i) a[i] += pj * vv[j][i];
+          for (int x = 0; x < RR; ++x) {
+            if (!live[x]) continue;
+            for (int i = 0; i < NV; ++i) acc[r + x][i] = a[x][i];
+            l[r + x] = l[r + x] * corr[x] + hsum(pv[x]);  // the weights' sum as a fixed tree
+            m[r + x] = mnew[x];
           }
-          for (int i = 0; i < NV; ++i) acc[r][i] = a[i];
-          l[r] = l[r] * corr + half[0];
-          m[r] = mnew;
-        }
+        };
+        int64_t r = 0;
+        for (; r + 3 <= nr; r += 3) step(r, std::integral_constant<int, 3>{});
+        for (; r < nr; ++r) step(r, std::integral_constant<int, 1>{});
       }
       const int64_t base = ((b * g.G + kvh) * g.chunks + c) * g.rows + r0;
       for (int64_t r = 0; r < nr; ++r) {
