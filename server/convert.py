@@ -55,6 +55,10 @@ class Job:
     stop: list[str]
     echo: bool = False
     tools: ToolMode | None = None  # chat with tools: the output is read as calls (tools.py)
+    include_stop: bool = False  # the stop string / stop token's text ends the output
+    skip_special: bool = True  # special tokens' text left out of the output
+    token_ids: bool = False  # logprobs' tokens as "token_id:<id>" (vLLM's)
+    chat_echo: str = ""  # chat ``echo``: the last (assistant) message's text leads the answer
 
 
 def check_model(name: str, served: list[str]) -> None:
@@ -80,6 +84,69 @@ def _logit_bias(req: _Sampling, vocab: int) -> tuple[tuple[int, float], ...]:
             raise bad(f"logit_bias values must be in [-100, 100]: {value}", "logit_bias")
         out.append((int(key), float(value)))
     return tuple(out)
+
+
+# guided_decoding_backend values that name what specd runs (llguidance), or leave it to it
+BACKENDS = (None, "auto", "guidance", "llguidance")
+
+
+def refuse_unsupported(req: _Sampling) -> None:
+    """vLLM's fields specd cannot honour: a 400 naming the field (never ignored)."""
+    if req.use_beam_search:
+        raise bad("beam search is not supported", "use_beam_search", "unsupported_parameter")
+    refusals = {
+        "length_penalty": (req.length_penalty != 1.0, "applies to beam search, not supported"),
+        "bad_words": (bool(req.bad_words), "is not supported"),
+        "logits_processors": (bool(req.logits_processors), "is not supported"),
+        "priority": (req.priority != 0, "is not supported (no priority scheduling): send 0"),
+        "prompt_logprobs": (
+            req.prompt_logprobs is not None,
+            "is not supported: ask /v1/completions with echo and logprobs",
+        ),
+        "cache_salt": (req.cache_salt is not None, "is not supported"),
+        "kv_transfer_params": (bool(req.kv_transfer_params), "is not supported"),
+        "vllm_xargs": (bool(req.vllm_xargs), "is not supported"),
+        "guided_whitespace_pattern": (
+            req.guided_whitespace_pattern is not None,
+            "is not supported",
+        ),
+        "guided_decoding_backend": (
+            req.guided_decoding_backend not in BACKENDS,
+            "is not supported: specd's is llguidance ('auto', 'guidance')",
+        ),
+        "stream_options.continuous_usage_stats": (
+            bool(req.stream_options and req.stream_options.continuous_usage_stats),
+            "is not supported (usage comes in the last chunk)",
+        ),
+    }
+    if isinstance(req, ChatCompletionRequest):
+        refusals |= {
+            "chat_template": (
+                req.chat_template is not None,
+                "is not supported per request: start the server with --chat-template",
+            ),
+            "mm_processor_kwargs": (bool(req.mm_processor_kwargs), "is not supported"),
+            "structural_tag": (req.structural_tag is not None, "is not supported"),
+            "include_reasoning": (not req.include_reasoning, "false: no reasoning parser runs"),
+        }
+    if isinstance(req, CompletionRequest):
+        refusals["prompt_embeds"] = (req.prompt_embeds is not None, "is not supported")
+    for param, (refused, why) in refusals.items():
+        if refused:
+            raise bad(f"{param} {why}", param, "unsupported_parameter")
+
+
+def _token_ids(ids: list[int] | None, vocab: int, param: str) -> tuple[int, ...]:
+    for t in ids or []:
+        if not 0 <= t < vocab:
+            raise bad(f"{param} must be token ids in [0, {vocab}): {t}", param)
+    return tuple(ids or [])
+
+
+def _truncated(ids: list[int], req: _Sampling) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens."""
+    n = req.truncate_prompt_tokens
+    return ids[-n:] if n is not None and n < len(ids) else ids
 
 
 def _stops(req: _Sampling, s: ServerSettings) -> list[str]:
@@ -159,10 +226,21 @@ def _params(
         else (s.default_top_p if s.default_top_p is not None else 1.0)
     )
     top_k = min(max(req.top_k or 0, 0), capacity.vocab_size)
+    if req.min_tokens > max_tokens:
+        raise bad(f"min_tokens must be <= max_tokens ({max_tokens})", "min_tokens")
+    allowed = None
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise bad("allowed_token_ids must not be empty", "allowed_token_ids")
+        allowed = _token_ids(req.allowed_token_ids, capacity.vocab_size, "allowed_token_ids")
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens,
+        stop_token_ids=_token_ids(req.stop_token_ids, capacity.vocab_size, "stop_token_ids"),
+        allowed_token_ids=allowed,
         max_tokens=max_tokens,
         seed=req.seed,
         logprobs=logprobs,
@@ -207,17 +285,18 @@ class JobContext(Protocol):
 def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
     tokenizer, s, capacity, grammars = ctx.tokenizer, ctx.settings, ctx.capacity, ctx.grammars
     _check_n(req, s)
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
+    refuse_unsupported(req)
+    _check_best_of(req)
     if req.suffix:
         raise bad("suffix is not supported", "suffix", "unsupported_parameter")
     if req.logprobs is not None and req.logprobs > s.max_logprobs:
         raise bad(f"logprobs must be <= {s.max_logprobs}", "logprobs")
     p = req.prompt
+    special = req.add_special_tokens is not False  # a prompt's default: true
     if isinstance(p, str):
-        prompts = [tokenizer(p)["input_ids"]]
+        prompts = [tokenizer(p, add_special_tokens=special)["input_ids"]]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [tokenizer(x)["input_ids"] for x in p]
+        prompts = [tokenizer(x, add_special_tokens=special)["input_ids"] for x in p]
     elif p and all(isinstance(x, int) for x in p):
         prompts = [[x for x in p if isinstance(x, int)]]
     elif p and all(isinstance(x, list) for x in p):
@@ -229,6 +308,7 @@ def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
             "prompt",
         )
     _check_n(req, s, len(prompts))
+    prompts = [_truncated(list(ids), req) for ids in prompts]
     for ids in prompts:
         if not ids:
             raise bad("prompt is empty", "prompt")
@@ -241,7 +321,23 @@ def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
     params = _params(
         req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp, grammar
     )
-    return Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
+    job = Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
+    return _output_options(job, req)
+
+
+def _check_best_of(req: _Sampling) -> None:
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != req.n:
+        raise bad("best_of other than n is not supported", "best_of", "unsupported_parameter")
+
+
+def _output_options(job: Job, req: _Sampling) -> Job:
+    """How the output's text is made: vLLM's include_stop_str_in_output, skip_special_tokens
+    and return_tokens_as_token_ids."""
+    job.include_stop = req.include_stop_str_in_output
+    job.skip_special = req.skip_special_tokens
+    job.token_ids = bool(req.return_tokens_as_token_ids)
+    return job
 
 
 def chat_prompt(
@@ -272,10 +368,14 @@ def chat_prompt(
             messages[0] = {"role": "system", "content": f"{head}\n\n{messages[0]['content']}"}
         else:
             messages.insert(0, {"role": "system", "content": head})
+    kwargs = template_kwargs(req)
+    if not generation_prompt:  # (/tokenize's add_generation_prompt false)
+        kwargs["add_generation_prompt"] = False
     try:  # a template may refuse the conversation (e.g. role order)
-        out = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, return_dict=True
-        )
+        if req.add_special_tokens:  # vLLM's: BOS etc. on top of what the template writes
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+            return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        out = tokenizer.apply_chat_template(messages, return_dict=True, **kwargs)
         return list(out["input_ids"])
     except TemplateError as e:  # the template's own message (raise_exception) is for the user
         why = str(e)[:200]
@@ -285,13 +385,59 @@ def chat_prompt(
     raise bad(f"messages could not be rendered by the model's chat template: {why}", "messages")
 
 
+# apply_chat_template's own parameters: chat_template_kwargs may not set them
+TEMPLATE_RESERVED = frozenset(
+    {
+        "conversation", "messages", "tools", "chat_template", "tokenize", "padding",
+        "truncation", "max_length", "return_tensors", "return_dict", "tokenizer_kwargs",
+        "return_assistant_tokens_mask", "sanitize_control_tokens",
+    }
+)  # fmt: skip
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What the chat template renders with, as vLLM passes it: add_generation_prompt,
+    continue_final_message, documents, reasoning_effort, then chat_template_kwargs (which may
+    override the first four, not the renderer's own parameters)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            "continue_final_message",
+        )
+    kwargs: dict[str, Any] = {
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+    }
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    extra = req.chat_template_kwargs or {}
+    if wrong := sorted(TEMPLATE_RESERVED & set(extra)):
+        raise bad(f"chat_template_kwargs may not set {', '.join(wrong)}", "chat_template_kwargs")
+    return kwargs | extra
+
+
+def _chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text, when it is the assistant's (the role
+    that answers), leads the answer."""
+    last = req.messages[-1]
+    if not req.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, list):
+        return "".join(part.text for part in last.content)
+    return last.content
+
+
 def chat_job(req: ChatCompletionRequest, ctx: JobContext) -> Job:
     tokenizer, s, capacity, grammars = ctx.tokenizer, ctx.settings, ctx.capacity, ctx.grammars
     _check_n(req, s)
+    refuse_unsupported(req)
+    _check_best_of(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad("top_logprobs requires logprobs=true", "top_logprobs")
     tools = tool_mode(req)
-    ids = chat_prompt(req, tokenizer, tools)
+    ids = _truncated(chat_prompt(req, tokenizer, tools), req)
     stop = _stops(req, s)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -299,4 +445,6 @@ def chat_job(req: ChatCompletionRequest, ctx: JobContext) -> Job:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     grammar = grammar_for(req, grammars, tools.schema if tools is not None else None)
     params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs, None, grammar)
-    return Job([ids], params, _spec(req, s, capacity), req.n, stop, tools=tools)
+    job = Job([ids], params, _spec(req, s, capacity), req.n, stop, tools=tools)
+    job.chat_echo = _chat_echo(req) if tools is None else ""
+    return _output_options(job, req)

@@ -49,20 +49,36 @@ class Tally:
     leaf_accepts: int = 0
 
 
-def _text(out: StepOutput, detok: IncrementalDetokenizer, stops: StopFilter) -> tuple[str, int]:
+def _text(
+    out: StepOutput,
+    detok: IncrementalDetokenizer,
+    stops: StopFilter,
+    before: int = 0,
+    min_tokens: int = 0,
+    include_stop: bool = False,
+) -> tuple[str, int]:
     """The text of ``out``'s new tokens that may be sent, and how many of its tokens that text
     covers. With stop strings the tokens are read one at a time and the output ends at the
     token that completes a stop string, as plain decoding (one token a step) would end it: a
-    speculative round that emitted tokens past it counts none of them (usage, logprobs)."""
+    speculative round that emitted tokens past it counts none of them (usage, logprobs).
+    ``before``: the output's tokens before these; a stop string counts only once the output
+    holds ``min_tokens`` tokens (vLLM's min_tokens). A stop token (the engine's "stop") is
+    counted but its text is left out unless ``include_stop`` (vLLM's rule)."""
     ids, final = out.new_token_ids, out.finished
+    shown = ids
+    if final and out.finish_reason == "stop" and ids and not include_stop:
+        shown = ids[:-1]  # the stop token's own text is not output
     if not stops.stops:
-        return stops.feed(detok.add(ids, final=final), final=final), len(ids)
+        return stops.feed(detok.add(shown, final=final), final=final), len(ids)
     text = ""
-    for used, t in enumerate(ids, 1):
+    for used, t in enumerate(shown, 1):
         last = final and used == len(ids)
-        text += stops.feed(detok.add([t], final=last), final=last)
+        armed = before + used >= min_tokens
+        text += stops.feed(detok.add([t], final=last), final=last, search=armed)
         if stops.stopped:
             return text, used
+    if len(shown) < len(ids):  # the stop token: the held text goes out
+        text += stops.feed(detok.add([], final=True), final=True)
     return text, len(ids)
 
 
@@ -80,6 +96,8 @@ class JobRun:
     tally: Tally = field(default_factory=Tally)
 
     def _token_text(self, t: int) -> str:
+        if self.job.token_ids:  # vLLM's return_tokens_as_token_ids
+            return f"token_id:{t}"
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
     async def _choice(self, index: int, prompt: list[int]) -> AsyncGenerator[ChoiceEvent, None]:
@@ -107,8 +125,9 @@ class JobRun:
         self, index: int, prompt: list[int], clock
     ) -> AsyncGenerator[ChoiceEvent, None]:
         job = self.job
-        detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        stops = StopFilter(job.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt, job.skip_special)
+        stops = StopFilter(job.stop, job.include_stop)
+        made = 0  # output tokens so far
         params = job.params
         if params.seed is not None and index:  # n choices of one seeded request must differ
             params = replace(params, seed=params.seed + index)
@@ -124,7 +143,8 @@ class JobRun:
                 first = False
                 if clock:
                     clock.tokens(len(out.new_token_ids), out.seq)
-                text, used = _text(out, detok, stops)
+                text, used = _text(out, detok, stops, made, params.min_tokens, job.include_stop)
+                made += used
                 self._count(out, used)
                 lps = self._logprobs(out, used)
                 scored = self._prompt_logprobs(prompt, out)

@@ -37,6 +37,7 @@ class _Omit(BaseModel):
 
 class StreamOptions(_Req):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused)
 
 
 class SpeculationOptions(_Req):
@@ -72,6 +73,10 @@ class StructuredOutputs(_Req):
 
 
 class _Sampling(_Req):
+    """The fields both generation routes take: OpenAI's, then vLLM's extensions (every field
+    vLLM's OpenAI server accepts is declared, so that server/convert.py honours it or refuses
+    it with a 400 naming it; a field neither knows is ignored, as OpenAI ignores it)."""
+
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -94,6 +99,35 @@ class _Sampling(_Req):
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's sampling parameters
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for a chat
+    # vLLM's structured-output fields (one of them, or response_format / structured_outputs)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # vLLM's serving fields
+    priority: int = 0
+    request_id: str | None = Field(None, max_length=256)
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -103,6 +137,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    prompt_embeds: Any = None  # vLLM's (refused: specd takes token ids or text)
 
 
 class TextPart(_Req):
@@ -158,6 +193,18 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    best_of: int | None = Field(None, ge=1)
+    # vLLM's chat fields
+    echo: bool = False  # the last message, when it is the assistant's, leads the answer
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    structural_tag: str | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    include_reasoning: bool = True
 
 
 # -- vLLM's tokenizer routes ---------------------------------------------------------------------

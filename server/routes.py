@@ -154,6 +154,11 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                 P.ChatChunkChoice(index=i, delta=P.Delta(role="assistant", content=""))
                 for i in range(job.n)
             ]
+            if job.chat_echo:  # vLLM's echo: the last assistant message leads each answer
+                roles += [
+                    P.ChatChunkChoice(index=i, delta=P.Delta(content=job.chat_echo))
+                    for i in range(job.n)
+                ]
 
             def choice(ev: ChoiceEvent) -> P.ChatChunkChoice:
                 return P.ChatChunkChoice(
@@ -172,7 +177,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
         choices = []
         for i, evs in enumerate(await collect(request, run)):
             text = "".join(e.text for e in evs)
-            content: str | None = text
+            content: str | None = job.chat_echo + text
             calls = None
             reason = _finish(evs)
             if job.tools is not None:  # the answer's JSON read as calls or content

@@ -13,15 +13,19 @@ CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int] | None = None):
-        self.tok = tokenizer
+    def __init__(
+        self, tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ):
+        self.tok, self.skip_special = tokenizer, skip_special_tokens
         ctx = list(prompt_ids or [])[-CONTEXT_TOKENS:]
         self.ids = ctx
         self.prefix_offset = 0
         self.read_offset = len(ctx)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tok.decode(
+            ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False
+        )
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
@@ -38,22 +42,32 @@ class IncrementalDetokenizer:
 
 
 class StopFilter:
-    def __init__(self, stops: list[str]):
+    """``include``: the stop string itself ends the text (vLLM's include_stop_str_in_output)."""
+
+    def __init__(self, stops: list[str], include: bool = False):
         self.stops = [s for s in stops if s]
+        self.include = include
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
         self.stopped = False
 
-    def feed(self, text: str, final: bool = False) -> str:
+    def feed(self, text: str, final: bool = False, search: bool = True) -> str:
         """Text that is safe to send now. After a stop string is seen, ``stopped`` is True and
-        everything from the stop string on is dropped."""
+        everything from the stop string on (``include``: after it) is dropped. A stop string
+        counts where it ends in ``text``; ``search`` false (vLLM's min_tokens not reached):
+        none does, the text is held back as usual."""
         if self.stopped:
             return ""
         buf = self.pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [
+            (i, len(s))
+            for s in self.stops
+            if search and (i := buf.find(s, max(0, len(self.pending) - len(s) + 1))) >= 0
+        ]
+        if found:
+            cut, size = min(found, key=lambda f: f[0])
             self.stopped, self.pending = True, ""
-            return buf[:cut]
+            return buf[: cut + size] if self.include else buf[:cut]
         if final or self.hold == 0:
             self.pending = ""
             return buf

@@ -14,7 +14,8 @@ For every row of a round that samples (temperature > 0) and drafted n > 0 tokens
     position or cache off by one, or a rolled-back cache that kept a rejected token fails here.
 Greedy rows: the argmax of what the rule gets equals the reference's argmax.
 
-Rows with penalties, a logit bias or a grammar are processed beyond what the reference knows:
+Rows with penalties, a logit bias, a grammar, allowed tokens or min_tokens are processed beyond
+what the reference knows (min_p it knows):
 their p is not checked (counted in ``skipped``); a grammar's forced run reports a one-hot q.
 """
 
@@ -58,11 +59,17 @@ def runner_reference(runner) -> Reference:
     return ref
 
 
-def processed(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (the smallest set of most probable tokens whose mass
-    reaches top_p; ties at the boundary kept), in float64: [vocab] -> [vocab]."""
+def processed(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """Temperature, then min-p (tokens less probable than min_p x the most probable one out),
+    then top-k, then top-p (the smallest set of most probable tokens whose mass reaches top_p;
+    ties at the boundary kept), in float64: [vocab] -> [vocab]."""
     z = logits.double() / temperature
     keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p > 0:
+        keep &= torch.softmax(z, -1) >= min_p * torch.softmax(z, -1).max()
+        z = z.masked_fill(~keep, float("-inf"))
     if 0 < top_k < z.numel():
         keep &= z >= z.topk(top_k).values[-1]
     p = torch.softmax(z.masked_fill(~keep, float("-inf")), -1)
@@ -131,12 +138,17 @@ class RoundAudit:
                 continue
             if n:
                 self._check_drafts(b, host[b][:n], draft_probs, plan.draft_noise)
-            if prm.penalized or prm.grammar is not None:
+            if (
+                prm.penalized
+                or prm.grammar is not None
+                or prm.min_tokens
+                or prm.allowed_token_ids is not None
+            ):
                 self.skipped += 1
                 continue
             ref = self.reference(ctx + host[b][:n], n)
             for j in range(n + 1):
-                want = processed(ref[j], prm.temperature, prm.top_k, prm.top_p)
+                want = processed(ref[j], prm.temperature, prm.top_k, prm.top_p, prm.min_p)
                 got = probs[b, j].double().cpu()
                 err = (got - want).abs().max().item()
                 self._worst = max(self._worst, err)

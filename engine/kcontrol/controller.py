@@ -383,9 +383,16 @@ class AdaptiveK(KController):
 
 
 def may_grow(seq: Sequence) -> bool:
-    """Whether a row may be verified as a tree: not under a grammar, penalties or logit bias
-    (their processing reads a row's drafts as a chain: penalties.py, grammar.py), nor seeded (a
-    seeded row's draws follow its own K alone: plan.py) or deterministic (the batch-invariant
-    forward verifies chains)."""
+    """Whether a row may be verified as a tree: not under a grammar, penalties, logit bias or
+    a min_tokens not yet reached (their processing reads a row's drafts as a chain:
+    penalties.py, grammar.py, rules.py), nor seeded (a seeded row's draws follow its own K
+    alone: plan.py) or deterministic (the batch-invariant forward verifies chains)."""
     p = seq.params
-    return seq.matcher is None and not p.penalized and p.seed is None and not p.deterministic
+    short = len(seq.output_ids) < p.min_tokens
+    return (
+        seq.matcher is None
+        and not p.penalized
+        and not short
+        and p.seed is None
+        and not p.deterministic
+    )

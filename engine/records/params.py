@@ -16,10 +16,13 @@ class SamplingParams:
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 -> off
+    min_p: float = 0.0  # drop tokens below min_p x the most probable one's probability; 0 -> off
     max_tokens: int = 16  # 0: prefill only (with prompt_logprobs: score the prompt)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0  # no stop token (EOS, stop_token_ids) may end the output before this
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
     prompt_logprobs: int | None = None  # the same for every prompt token (the model's own)
     # logit processing before temperature (penalties.py): OpenAI's, and repetition (1 = off)
@@ -49,6 +52,12 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be >= 0")
         if not self.repetition_penalty > 0:
             raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
 
     @property
     def penalized(self) -> bool:
@@ -58,6 +67,16 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+        )
+
+    @property
+    def ruled(self) -> bool:
+        """Whether any sampling rule of engine/round/rules.py (allowed tokens, min_tokens,
+        min_p) applies to this request."""
+        return bool(
+            self.allowed_token_ids is not None
+            or self.min_tokens
+            or (self.min_p > 0 and not self.greedy)
         )
 
     @property

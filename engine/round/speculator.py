@@ -42,6 +42,7 @@ from engine.round.output import make_output, to_host
 from engine.round.penalties import apply_penalties
 from engine.round.plan import make_plan
 from engine.round.rejection import rejection_sample
+from engine.round.rules import apply_rules
 from engine.round.tree import tree_accept
 from engine.sampling.grammar import advance, apply_grammar
 from engine.sampling.probs import logits_to_probs
@@ -256,17 +257,21 @@ class Speculator:
         )
         return make_plan(seqs, ks, self.vocab_size, self.device, self.rng, sample_drafts)
 
-    @staticmethod
     def _process(
-        logits: torch.Tensor, seqs: list[Sequence], drafts: torch.Tensor, num_draft: list[int]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        drafts: torch.Tensor,
+        num_draft: list[int],
     ) -> torch.Tensor:
-        """Bias, penalties, then the grammar mask, at every verified position i as plain decoding
-        would apply them after d_1..d_i (penalties.py, grammar.py)."""
+        """Bias, penalties, the grammar mask, then vLLM's sampling rules (allowed tokens,
+        min_tokens, min_p), at every verified position i as plain decoding would apply them
+        after d_1..d_i (penalties.py, grammar.py, rules.py)."""
         logits = apply_penalties(logits, seqs, drafts)
         if any(s.matcher is not None for s in seqs):  # the drafts on the host (grammar rows)
             host = [row[:n] for row, n in zip(drafts.tolist(), num_draft)]
             logits = apply_grammar(logits, seqs, host)
-        return logits
+        return apply_rules(logits, seqs, self.scheduler.eos_token_ids)
 
     @staticmethod
     def _probs(logits: torch.Tensor, plan: RoundPlan, top_n: int | None) -> torch.Tensor:
