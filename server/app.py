@@ -6,13 +6,15 @@ the engine loop has held requests for ``health_stall_s`` without coming round: 5
 ``GET /ready`` (readiness: 503 until the engine loop runs, is warmed up and healthy, and again
 from the moment a drain starts), ``GET /metrics`` (Prometheus) and vLLM's ``POST /tokenize``,
 ``POST /detokenize`` and ``GET /version`` (server/tokenize.py). Middleware, outermost
-first: CORS (only when origins are configured), the API key guard and request counts, body
-limits (server/middleware.py). Every error answers in OpenAI's shape (server/errors.py).
+first: CORS (only when origins are configured), the request id (X-Request-Id), the API key
+guard and request counts, body limits (server/middleware.py). Every error answers in OpenAI's
+shape (server/errors.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 
 from fastapi import FastAPI
@@ -26,7 +28,7 @@ from . import protocol as P
 from .convert import EngineCapacity, check_model
 from .errors import NOT_READY, APIError, error_response, install_handlers
 from .metrics import Metrics
-from .middleware import BodyLimits, Guard
+from .middleware import BodyLimits, Guard, RequestId, RequestIdLog
 from .openapi import ERROR_RESPONSES, finish_schema
 from .routes import ENDPOINTS, Serving, add_generation_routes
 from .settings import ServerSettings
@@ -75,12 +77,17 @@ def create_app(
     app.add_middleware(
         Guard, api_keys=settings.api_keys, endpoints=ENDPOINTS, count=metrics.request
     )
+    app.add_middleware(RequestId)  # outside the guard: a 401 carries its X-Request-Id too
+    server_log = logging.getLogger("specd.server")
+    if not any(isinstance(f, RequestIdLog) for f in server_log.filters):
+        server_log.addFilter(RequestIdLog())
     if settings.cors_origins:  # off unless configured, and then only for the listed origins
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id"],
             allow_credentials=False,
         )
     openapi = app.openapi

@@ -22,7 +22,9 @@ DESCRIPTION
 
     vLLM's serve flags work too, with specd's meaning: --model, --max-num-seqs (= --max-running),
     --max-num-batched-tokens (prompt tokens a step), --enable-prefix-caching, --dtype auto / half /
-    float, --seed (the engine's generator), --uvicorn-log-level, --speculative-config; accepted
+    float, --seed (the engine's generator), --uvicorn-log-level, --disable-uvicorn-access-log
+    (no access-log line per request; the /health, /ready and /metrics probes never get one),
+    --speculative-config; accepted
     for their command lines: --disable-log-requests, --enable-auto-tool-choice,
     --tool-call-parser, --generation-config vllm, --response-role assistant; refused with the
     reason: --tensor-parallel-size / --pipeline-parallel-size above 1, --gpu-memory-utilization
@@ -235,6 +237,19 @@ def _config(args):
     return cfg
 
 
+def server_flags(args) -> dict[str, Any]:
+    """The server settings serve's flags set (None: the flag was not given)."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "api_keys": [args.api_key] if args.api_key else None,
+        "served_model_names": args.served_model_name or None,
+        "shutdown_timeout_s": args.shutdown_timeout,
+        "log_level": args.log_level,
+        "access_log": False if args.disable_uvicorn_access_log else None,
+    }
+
+
 def cmd_serve(args) -> int:
     import logging
 
@@ -244,15 +259,7 @@ def cmd_serve(args) -> int:
     from .settings import ServerSettings, load_config_file, unknown_env
 
     data = load_config_file(args.config)
-    flags = {
-        "host": args.host,
-        "port": args.port,
-        "api_keys": [args.api_key] if args.api_key else None,
-        "served_model_names": args.served_model_name or None,
-        "shutdown_timeout_s": args.shutdown_timeout,
-        "log_level": args.log_level,
-    }
-    settings = ServerSettings.from_sources(data.get("server"), flags=flags)
+    settings = ServerSettings.from_sources(data.get("server"), flags=server_flags(args))
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -485,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
                 dest="log_level",
                 choices=["critical", "error", "warning", "info", "debug"],
                 help="the server's log level (config server.log_level; default info)",
+            )
+            p.add_argument(
+                "--disable-uvicorn-access-log",
+                action="store_true",
+                help="no access-log line per request (config server.access_log; the /health, "
+                "/ready and /metrics probes are never logged)",
             )
             p.add_argument(
                 "--disable-log-requests",

@@ -118,6 +118,14 @@ def _http_error(e: StarletteHTTPException) -> APIError:
     return APIError(e.status_code, str(e.detail), kind)
 
 
+def answer(e: Exception) -> JSONResponse:
+    """The response to an exception a route raised (internal ones logged)."""
+    err = from_exception(e)
+    if err.status == 500 and not isinstance(e, (APIError, EngineError)):
+        log.error("unhandled error", exc_info=e)
+    return error_response(err)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Every exception a route raises answers in OpenAI's shape."""
 
@@ -131,10 +139,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _any(_, e: Exception):
-        err = from_exception(e)
-        if err.status == 500 and not isinstance(e, (APIError, EngineError)):
-            log.error("unhandled error", exc_info=e)
-        return error_response(err)
+        return answer(e)
 
     for kind in (APIError, EngineError, QueueFullError, NotAcceptingError):
         app.add_exception_handler(kind, _any)

@@ -94,6 +94,7 @@ class JobRun:
     metrics: Metrics | None = None
     started: float = field(default_factory=time.perf_counter)  # when the HTTP request came in
     tally: Tally = field(default_factory=Tally)
+    response_id: str = ""  # the response's id (server/routes.py ``admit``; "": request_id)
 
     def _token_text(self, t: int) -> str:
         if self.job.token_ids:  # vLLM's return_tokens_as_token_ids

@@ -1,6 +1,12 @@
-"""specd's ASGI middleware, outermost first: :class:`Guard` (API keys, request counts), then
-:class:`BodyLimits` (how long and how much a client may send). Both are pure ASGI: a
-``BaseHTTPMiddleware`` would hide client disconnects from the routes.
+"""specd's ASGI middleware, outermost first: :class:`RequestId` (X-Request-Id), :class:`Guard`
+(API keys, request counts), then :class:`BodyLimits` (how long and how much a client may send).
+All are pure ASGI: a ``BaseHTTPMiddleware`` would hide client disconnects from the routes.
+
+* :class:`RequestId`: a request's id is its ``X-Request-Id`` header where that is a valid id
+  (:data:`ID_PATTERN`), else one made here (a route may set it from the body's ``request_id``
+  first: :func:`set_request_id`); every response carries it back as ``X-Request-Id``, a
+  generation response's ``id`` is made from it (server/routes.py), and specd.server's log lines
+  written while the request is served end with it (:class:`RequestIdLog`).
 
 * :class:`Guard`: with API keys set, every ``/v1/*`` request needs ``Authorization: Bearer
   <key>``, compared in constant time against every key (the time does not tell which matched);
@@ -17,10 +23,19 @@ The connection-level limits (request head deadline, stalled sends) are server/tr
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
+import logging
+import re
+import uuid
 from collections.abc import Callable
 
-from .errors import APIError, error_response, unauthorized
+from .errors import APIError, answer, error_response, unauthorized
+
+# the request being served in this task (its X-Request-Id): in specd.server's log lines
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+# an id a client may give (header or body): bounded, and nothing a log line could be forged with
+ID_PATTERN = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -127,3 +142,58 @@ class BodyLimits:
             parts.append(chunk)
             if not msg.get("more_body", False):
                 return b"".join(parts)
+
+
+class RequestId:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        valid = ID_PATTERN.fullmatch(given) is not None
+        state = scope.setdefault("state", {})
+        state["request_id"] = given if valid else uuid.uuid4().hex
+        state["request_id_given"] = valid
+        REQUEST_ID.set(state["request_id"])  # (the request's own task: its context ends with it)
+        started = False
+
+        async def send_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"x-request-id"]
+                headers.append((b"x-request-id", state["request_id"].encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_id)
+        except Exception as e:  # an unhandled one: answered here, so with its X-Request-Id
+            if started:
+                raise
+            await answer(e)(scope, receive, send_id)
+
+
+def set_request_id(state, body_id: str | None) -> str:
+    """The request's id: its header's; else the body's ``request_id`` (vLLM's field), which the
+    response then carries back; else the one :class:`RequestId` made. 400 for a body id that is
+    not a valid id."""
+    if body_id is not None and not state.request_id_given:
+        if ID_PATTERN.fullmatch(body_id) is None:
+            raise APIError(400, f"request_id must match {ID_PATTERN.pattern}", param="request_id")
+        state.request_id = body_id
+        REQUEST_ID.set(body_id)
+    return state.request_id
+
+
+class RequestIdLog(logging.Filter):
+    """Ends a log line written while a request is served with ``[request <id>]``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rid = REQUEST_ID.get()
+        if rid is not None and not getattr(record, "request_id", None):
+            record.request_id = rid
+            record.msg = f"{record.msg} [request {rid}]"
+        return True

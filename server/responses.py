@@ -52,7 +52,7 @@ def envelope(cls: type[BaseModel], run: JobRun, model: str, created: int, finger
 
     def build(choices: list, usage: P.Usage | None = None):
         return cls(
-            id=run.request_id,
+            id=run.response_id or run.request_id,
             created=created,
             model=model,
             system_fingerprint=fingerprint,

@@ -25,6 +25,7 @@ from .convert import EngineCapacity, Job, chat_job, check_model, completion_job
 from .errors import APIError
 from .generation import ChoiceEvent, JobRun
 from .metrics import Metrics
+from .middleware import set_request_id
 from .openapi import GENERATION_RESPONSES
 from .responses import (
     EventStream,
@@ -56,11 +57,15 @@ class Serving:
     grammars: GrammarCompiler | None  # checks structured-output grammars before admission
 
 
-def admit(s: Serving, job: Job, prefix: str) -> JobRun:
-    """Reserve room for every choice of ``job`` (raises the worker's refusals)."""
+def admit(s: Serving, job: Job, prefix: str, client_id: str) -> JobRun:
+    """Reserve room for every choice of ``job`` (raises the worker's refusals). The response's
+    id is ``prefix-client_id`` (the request's X-Request-Id, as vLLM makes it); the engine's
+    requests get ids of their own, so two requests that send one id never share one there."""
     reservation = s.worker.reserve(len(job.prompts) * job.n)
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    return JobRun(s.worker, s.tokenizer, job, request_id, reservation, s.metrics)
+    run = JobRun(s.worker, s.tokenizer, job, request_id, reservation, s.metrics)
+    run.response_id = f"{prefix}-{client_id}"
+    return run
 
 
 async def collect(request: Request, run: JobRun) -> list[list[ChoiceEvent]]:
@@ -94,10 +99,11 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
         "/v1/completions", response_model=P.CompletionResponse, responses=GENERATION_RESPONSES
     )
     async def completions(req: P.CompletionRequest, request: Request):
+        client_id = set_request_id(request.state, req.request_id)
         check_model(req.model, s.served)
         job = completion_job(req, s)
         prompts = [s.tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
-        run = admit(s, job, "cmpl")
+        run = admit(s, job, "cmpl", client_id)
         build = envelope(P.CompletionResponse, run, req.model, int(time.time()), s.fingerprint)
         want_lp = req.logprobs is not None
 
@@ -143,9 +149,10 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
         responses=GENERATION_RESPONSES,
     )
     async def chat(req: P.ChatCompletionRequest, request: Request):
+        client_id = set_request_id(request.state, req.request_id)
         check_model(req.model, s.served)
         job = chat_job(req, s)
-        run = admit(s, job, "chatcmpl")
+        run = admit(s, job, "chatcmpl", client_id)
         created = int(time.time())
 
         if req.stream:

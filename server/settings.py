@@ -44,6 +44,9 @@ class ServerSettings:
     health_stall_s: float = 120.0
     metrics_cache_s: float = 0.1  # /metrics renders at most this often (scrapers share one page)
     log_level: str = "info"
+    # uvicorn's access log (a line per request; never for the /health, /ready and /metrics
+    # probes: server/transport.py); vLLM's --disable-uvicorn-access-log turns it off
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not self.shutdown_timeout_s >= 0:  # (NaN too)

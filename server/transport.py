@@ -82,9 +82,31 @@ class SpecdH11(H11Protocol):
         super().connection_lost(exc)
 
 
+PROBES = ("/health", "/ready", "/metrics")  # polled by orchestrators and scrapers: not logged
+
+
+class NoProbes(logging.Filter):
+    """Drops uvicorn's access-log lines of the probes (:data:`PROBES`): a kubelet and a gateway
+    poll them every few seconds, which would bury every other line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in PROBES  # (client, method, path, ...)
+        return True
+
+
+def quiet_probes() -> None:
+    """uvicorn's access logger drops the probes' lines (once per process)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, NoProbes) for f in access.filters):
+        access.addFilter(NoProbes())
+
+
 def uvicorn_config(app, settings: ServerSettings, **kw) -> uvicorn.Config:
     """uvicorn's config for ``app`` with specd's connection limits (host and port included,
-    for a server that binds its own socket)."""
+    for a server that binds its own socket); its access log as ``settings.access_log`` says,
+    never for the probes."""
     protocol = type(
         "SpecdH11Configured",
         (SpecdH11,),
@@ -93,7 +115,7 @@ def uvicorn_config(app, settings: ServerSettings, **kw) -> uvicorn.Config:
             "send_timeout": settings.stream_send_timeout_s,
         },
     )
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -102,5 +124,8 @@ def uvicorn_config(app, settings: ServerSettings, **kw) -> uvicorn.Config:
         timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
         h11_max_incomplete_event_size=settings.max_header_bytes,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         **kw,
     )
+    quiet_probes()  # (after uvicorn configured its loggers)
+    return config

@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from server import cli
+from server.settings import ServerSettings
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -205,6 +206,7 @@ def test_a_vllm_command_line_means_what_it_means_in_vllm(monkeypatch, capsys):
     argv += ["warning", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     argv += ["--generation-config", "vllm", "--response-role", "assistant"]
     argv += ["--gpu-memory-utilization", "0.9", "--device", "cpu"]
+    argv += ["--disable-uvicorn-access-log"]
     args = parse(argv)
     cfg = cli._config(args)
     default = cli._config(parse([]))
@@ -214,6 +216,12 @@ def test_a_vllm_command_line_means_what_it_means_in_vllm(monkeypatch, capsys):
     assert (cfg.max_running, cfg.prefill_chunk_tokens, cfg.seed) == (4, 256, 7)
     assert cfg.prefix_cache_tokens == default.prefix_cache_tokens > 0
     assert args.log_level == "warning"  # cmd_serve hands it to the server's settings
+    settings = ServerSettings.from_sources(
+        {"access_log": True}, env={}, flags=cli.server_flags(args)
+    )
+    assert (settings.log_level, settings.access_log) == ("warning", False)
+    on = ServerSettings.from_sources({}, env={}, flags=cli.server_flags(parse([])))
+    assert on.access_log is True
     assert "does not apply on CPU" in capsys.readouterr().err
     assert cli._config(parse(["--dtype", "half"])).model.dtype == "float16"
     assert cli._config(parse(["--dtype", "float"])).model.dtype == "float32"
