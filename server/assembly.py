@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from engine.api import EngineWorker
 
+from . import generation_defaults
 from .app import create_app
 from .convert import EngineCapacity
 from .settings import ServerSettings
@@ -39,7 +40,9 @@ DRAIN_FLUSH_S = 2.0  # the end of a shutdown kept for HTTP: the last events go o
 HARD_EXIT_S = 3.0  # past the shutdown timeout, a watchdog ends the process whatever holds it
 
 
-def engine_capacity(built: Built) -> EngineCapacity:
+def engine_capacity(built: Built, generation_config: str = "auto") -> EngineCapacity:
+    """What ``built`` serves, with the sampling defaults ``generation_config`` names
+    (server/generation_defaults.py; ValueError for a folder without one)."""
     engine, drafter = built.engine, built.config.drafter
     return EngineCapacity(
         engine.target.max_len,
@@ -47,6 +50,7 @@ def engine_capacity(built: Built) -> EngineCapacity:
         drafter.method,
         drafter.k_max,
         built.config.deterministic,
+        generation_defaults.resolve(generation_config, engine.target.model),
     )
 
 
@@ -54,7 +58,14 @@ def assemble(built: Built, settings: ServerSettings, *, engine_thread: bool) -> 
     """The server of ``built`` (its worker admits ``config.max_queued`` beyond the slots)."""
     worker = EngineWorker(built.engine, max_queued=built.config.max_queued)
     model = built.config.model.name
-    capacity = engine_capacity(built)
+    capacity = engine_capacity(built, settings.generation_config)
+    if capacity.sampling_defaults:  # (vLLM says so too: answers differ from OpenAI's defaults)
+        log.warning(
+            "sampling defaults from the model's generation config (--generation-config %s; "
+            "'vllm' turns them off): %s",
+            settings.generation_config,
+            capacity.sampling_defaults,
+        )
     # the app checks grammars with the engine's own compiler (read-only after start)
     app = create_app(worker, built.tokenizer, model, capacity, settings)
     return Server(app, settings, worker, engine_thread=engine_thread)

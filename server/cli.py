@@ -26,9 +26,11 @@ DESCRIPTION
     (no access-log line per request; the /health, /ready and /metrics probes never get one),
     --speculative-config; accepted
     for their command lines: --disable-log-requests, --enable-auto-tool-choice,
-    --tool-call-parser, --generation-config vllm, --response-role assistant; refused with the
-    reason: --tensor-parallel-size / --pipeline-parallel-size above 1, --gpu-memory-utilization
-    on a GPU, any other --generation-config or --response-role, unknown --speculative-config keys.
+    --tool-call-parser, --response-role assistant; --generation-config auto (the default: the
+    model's generation_config.json sampling defaults apply where a request sets none), vllm
+    (none) or a folder; refused with the reason: --tensor-parallel-size /
+    --pipeline-parallel-size above 1, --gpu-memory-utilization on a GPU, any other
+    --generation-config or --response-role, unknown --speculative-config keys.
 
     Every flag of serve can also come from the environment, SPECD_<FLAG> (e.g. SPECD_PORT,
     SPECD_DRAFTER, SPECD_MAX_RUNNING); a flag beats the environment, the environment beats the
@@ -81,10 +83,10 @@ def vllm_flags(args) -> None:
     if role is not None and role != "assistant":
         raise SystemExit(f"specd: --response-role {role!r}: specd answers as 'assistant' only")
     gen = getattr(args, "generation_config", None)
-    if gen is not None and gen != "vllm":
+    if gen is not None and gen not in ("auto", "vllm") and not Path(gen).is_dir():
         raise SystemExit(
-            f"specd: --generation-config {gen!r}: specd does not read a model's sampling "
-            "defaults yet; 'vllm' (OpenAI's defaults, or the config's server.default_*) is served"
+            f"specd: --generation-config {gen!r}: 'auto' (the model's sampling defaults), "
+            "'vllm' (none) or a folder holding a generation_config.json"
         )
     util = getattr(args, "gpu_memory_utilization", None)
     if util is not None and not 0 < util <= 1:
@@ -247,6 +249,7 @@ def server_flags(args) -> dict[str, Any]:
         "shutdown_timeout_s": args.shutdown_timeout,
         "log_level": args.log_level,
         "access_log": False if args.disable_uvicorn_access_log else None,
+        "generation_config": args.generation_config,
     }
 
 
@@ -270,7 +273,10 @@ def cmd_serve(args) -> int:
     if template := _env_or(args, "chat_template"):  # the model's own otherwise
         tokenizer: Any = built.tokenizer
         tokenizer.chat_template = chat_template(template)
-    server = assemble(built, settings, engine_thread=False)
+    try:
+        server = assemble(built, settings, engine_thread=False)
+    except ValueError as e:  # (a generation_config folder without one)
+        raise SystemExit(f"specd: {e}") from None
     load = built.engine.load()
     cache = load.prefix_cache_tokens
     prefix = f"prefix cache {cache} positions" if cache else "prefix cache off"
@@ -517,8 +523,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             p.add_argument(
                 "--generation-config",
-                metavar="vllm",
-                help="'vllm' only: sampling defaults are OpenAI's or the config's server.default_*",
+                metavar="auto|vllm|FOLDER",
+                help="a request's sampling defaults: 'auto' (default), the model's "
+                "generation_config.json; 'vllm', OpenAI's; or FOLDER's generation_config.json "
+                "(config server.generation_config; the config's server.default_* come first)",
             )
             p.add_argument(
                 "--response-role", metavar="assistant", help="'assistant' only (chat answers)"

@@ -1,9 +1,11 @@
 """The one conversion from HTTP requests (server/protocol.py) to the engine's own dataclasses.
 
 Which defaults win, field by field: a value set in the request, else the server config's
-default (``default_max_tokens``, ``default_temperature``, ``default_top_p``), else OpenAI's default
-(temperature 1, top_p 1, no top-k; max_tokens 16 for /v1/completions and "the rest of the context"
-for chat). Speculation: the request's ``speculation`` extension (a fixed ``k``, or a ``k_max``
+default (``default_max_tokens``, ``default_temperature``, ``default_top_p``), else the model's
+sampling defaults (its generation_config.json, vLLM's ``--generation-config``:
+server/generation_defaults.py), else OpenAI's default (temperature 1, top_p 1, no top-k, min_p 0,
+repetition penalty 1; max_tokens 16 for /v1/completions and "the rest of the context" for chat).
+Speculation: the request's ``speculation`` extension (a fixed ``k``, or a ``k_max``
 cap on the controller; either above the cap is refused, the cap being the server's
 ``spec_k_max`` or the engine's K_max (``drafter.k_max``), the lower; ``method`` the config's
 drafter name, or ``draft`` for any model-based drafter), else the engine's K controller (config
@@ -16,7 +18,7 @@ Everything specd cannot honour is refused here with a 400 that names the field.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from jinja2 import TemplateError
@@ -42,6 +44,8 @@ class EngineCapacity:
     drafter: str  # configured drafter method
     k_max: int = 8  # the engine's largest K (metrics buckets)
     deterministic: str = "off"  # the engine's deterministic mode: off | request | always
+    # the model's sampling defaults in force (server/generation_defaults.py; {}: OpenAI's)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -205,8 +209,10 @@ def _params(
             "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             "context_length_exceeded",
         )
+    d = capacity.sampling_defaults
     if max_tokens is None:
-        max_tokens = s.default_max_tokens or default_max or room
+        model_max = int(d["max_tokens"]) if "max_tokens" in d else None
+        max_tokens = s.default_max_tokens or model_max or default_max or room
         max_tokens = min(max_tokens, room)
     elif max_tokens > room:
         raise bad(
@@ -215,17 +221,10 @@ def _params(
             "max_tokens",
             "context_length_exceeded",
         )
-    temperature = (
-        req.temperature
-        if req.temperature is not None
-        else (s.default_temperature if s.default_temperature is not None else 1.0)
-    )
-    top_p = (
-        req.top_p
-        if req.top_p is not None
-        else (s.default_top_p if s.default_top_p is not None else 1.0)
-    )
-    top_k = min(max(req.top_k or 0, 0), capacity.vocab_size)
+    temperature = _first(req.temperature, s.default_temperature, d.get("temperature"), 1.0)
+    top_p = _first(req.top_p, s.default_top_p, d.get("top_p"), 1.0)
+    top_k = int(_first(req.top_k, d.get("top_k"), 0))
+    top_k = min(max(top_k, 0), capacity.vocab_size)  # -1 or 0: off
     if req.min_tokens > max_tokens:
         raise bad(f"min_tokens must be <= max_tokens ({max_tokens})", "min_tokens")
     allowed = None
@@ -237,7 +236,7 @@ def _params(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        min_p=req.min_p or 0.0,
+        min_p=_first(req.min_p, d.get("min_p"), 0.0),
         min_tokens=req.min_tokens,
         stop_token_ids=_token_ids(req.stop_token_ids, capacity.vocab_size, "stop_token_ids"),
         allowed_token_ids=allowed,
@@ -247,12 +246,17 @@ def _params(
         prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=_first(req.repetition_penalty, d.get("repetition_penalty"), 1.0),
         logit_bias=_logit_bias(req, capacity.vocab_size),
         grammar=grammar,
         deterministic=_deterministic(req, capacity),
         ignore_eos=req.ignore_eos,
     )
+
+
+def _first(*values):
+    """The first value that is set (the request's, then the defaults': module doc)."""
+    return next(v for v in values if v is not None)
 
 
 def _deterministic(req: _Sampling, capacity: EngineCapacity) -> bool:

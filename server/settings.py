@@ -26,6 +26,10 @@ class ServerSettings:
     )
     default_temperature: float | None = None  # None: OpenAI's (1.0)
     default_top_p: float | None = None  # None: OpenAI's (1.0)
+    # the sampling defaults of a request (vLLM's --generation-config): "auto", the model's
+    # generation_config.json; "vllm", none (OpenAI's); else a folder holding a
+    # generation_config.json (server/generation_defaults.py)
+    generation_config: str = "auto"
     spec_k_max: int = 8  # cap on a request's speculation.k / k_max
     max_choices: int = 64  # prompts x n of one request
     max_body_bytes: int = 1 << 20

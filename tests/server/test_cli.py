@@ -220,6 +220,7 @@ def test_a_vllm_command_line_means_what_it_means_in_vllm(monkeypatch, capsys):
         {"access_log": True}, env={}, flags=cli.server_flags(args)
     )
     assert (settings.log_level, settings.access_log) == ("warning", False)
+    assert settings.generation_config == "vllm"  # the model's sampling defaults off
     on = ServerSettings.from_sources({}, env={}, flags=cli.server_flags(parse([])))
     assert on.access_log is True
     assert "does not apply on CPU" in capsys.readouterr().err
@@ -235,7 +236,7 @@ def test_a_vllm_command_line_means_what_it_means_in_vllm(monkeypatch, capsys):
         (["--tensor-parallel-size", "2"], "one device"),
         (["-pp", "2"], "one device"),
         (["--response-role", "user"], "assistant"),
-        (["--generation-config", "auto"], "sampling defaults"),
+        (["--generation-config", "/no/such/folder"], "generation_config.json"),
         (["--gpu-memory-utilization", "1.5"], "(0, 1]"),
         (["--gpu-memory-utilization", "0.9", "--device", "cuda"], "--kv-cache-tokens"),
         (["/models/a.gguf", "--model", "/models/b.gguf"], "named twice"),
