@@ -6,6 +6,8 @@ weights. For each mode, default and deterministic:
   * greedy, speculation on (the config's drafter, fixed K) vs off, one request at a time, and
     with all prompts batched: the prompts whose output differs;
   * greedy batched vs alone (speculation off);
+  * greedy alone, its prompt whole in the prefix cache (the run repeated) vs its first run, with
+    the prompt positions each took from the cache;
   * seeded sampling (T = 0.8) batched vs alone (speculation on: the controller keeps seeded
     requests at K = 0);
   * output tok/s of plain and speculative decoding, one at a time and batched; the modes run
@@ -58,13 +60,20 @@ def main(argv: list[str] | None = None) -> int:
         ]
         t0 = time.perf_counter()
         seqs = engine.generate(ps, params, spec)
-        return [s.output_ids for s in seqs], time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        cached[0] += sum(s.cached_tokens for s in seqs)
+        return [s.output_ids for s in seqs], seconds
+
+    cached = [0]  # prompt positions the last runs took from the prefix cache
+    cached_by: dict[str, dict[str, int]] = {m: {} for m in MODES}
 
     engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     out: dict[str, dict] = {m: {} for m in MODES}
     speed: dict[str, dict[str, list[float]]] = {m: {} for m in MODES}
 
     def record(mode: str, key: str, outputs, seconds: float) -> None:
+        cached_by[mode][key] = cached_by[mode].get(key, 0) + cached[0]
+        cached[0] = 0
         out[mode].setdefault(key, []).extend(outputs)
         tokens, secs = speed[mode].setdefault(key, [0.0, 0.0])
         speed[mode][key] = [tokens + sum(len(o) for o in outputs), secs + seconds]
@@ -76,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             record(mode, "alone plain", *run(det, [p], off))
             record(mode, "alone spec", *run(det, [p], on))
             record(mode, "alone seeded", *run(det, [p], SpecParams(), seeds[i : i + 1]))
+            record(mode, "alone plain cached", *run(det, [p], off))
     for j, mode in enumerate(MODES + MODES[::-1]):
         det, key = mode == "deterministic", f"#{j // 2}"
         record(mode, "batch plain" + key, *run(det, prompts, off))
@@ -108,9 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         ("greedy: batched vs alone", "batch plain#0", "alone plain"),
         ("greedy: batched, two runs", "batch plain#0", "batch plain#1"),
         ("seeded T=0.8: batched vs alone", "batch seeded#0", "alone seeded"),
+        ("greedy: prompt cached vs its first run", "alone plain cached", "alone plain"),
     ]
     for label, a, b in checks:
         lines.append(f"{label:<44}{differ('default', a, b):>8}{differ('deterministic', a, b):>15}")
+    lines.append(
+        "# prompt positions from the prefix cache, first run / repeated: "
+        + ", ".join(
+            f"{m} {cached_by[m]['alone plain']} / {cached_by[m]['alone plain cached']}"
+            for m in MODES
+        )
+        + f" (of {sum(len(p) for p in prompts)} each)"
+    )
     lines.append(f"# output tok/s{'':<31}{'default':>8}{'deterministic':>15}{'ratio':>8}")
     for label, key in (
         ("plain, one at a time", "alone plain"),
