@@ -8,9 +8,10 @@ threads with a combine step. A row's output is a function of its own query, keys
 alone, whatever the batch, the number of queries, the threads or which rows share a call
 (csrc/attention.cpp says how): the forward's attention is batch invariant by construction.
 
-It is built at first use, for AVX-512 where the CPU has it, else for AVX2 (the same source; the
-loops vectorize in either), and used for float32 and bfloat16 on CPU whenever it builds and
-agrees with a reference at load; everywhere else (no compiler, no AVX2, CUDA, float16), or with
+It is built at first use, for AVX-512 where the CPU has it (with bf16 rows' scores as bf16 pair
+products where it has AVX-512 BF16), else for AVX2 (the same source; the loops vectorize in
+either), and used for float32 and bfloat16 on CPU whenever it builds and agrees with a reference
+at load; everywhere else (no compiler, no AVX2, CUDA, float16), or with
 ``SPECD_ATTN_KERNEL=0``, attention runs on torch's SDPA.
 """
 
@@ -31,8 +32,14 @@ from engine.model.q4_matmul import build_extension, cpu_has_flags, probe_kernel
 log = logging.getLogger("specd.attention")
 _SRC = Path(__file__).with_name("csrc") / "attention.cpp"
 # the builds, best first: (name, the CPU flags it needs, more compiler flags)
-# (-ffp-contract=off: the kernel's arithmetic is its source, csrc/attention.cpp says why)
+# (-ffp-contract=off: the kernel's arithmetic is its source, csrc/attention.cpp says why;
+# avx512bf16: bf16 rows' scores as bf16 pair products)
 BUILDS = (
+    (
+        "avx512bf16",
+        ("avx512f", "avx512bw", "avx512vl", "fma", "avx512_bf16"),
+        ("-mprefer-vector-width=512", "-ffp-contract=off"),
+    ),
     (
         "avx512",
         ("avx512f", "avx512bw", "avx512vl", "fma"),
@@ -157,6 +164,9 @@ def _self_test() -> bool:
     slot_t = torch.tensor([2, 0])
     pos = torch.tensor([[30, 31, 32, 33, 34], [3, 4, 5, 6, 7]])
     mask = (torch.arange(kv)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
-    got = torch.ops.specd_attention.attend(qs, kc, vc, mask, slot_t, slot_t.new_empty(0), D**-0.5)
-    ref = reference(qs, kc, vc, mask, slot_t, None)
-    return bool((got - ref).abs().max() <= 1e-4)
+    ok = True
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        args = (qs.to(dtype), kc.to(dtype), vc.to(dtype), mask, slot_t)
+        got = torch.ops.specd_attention.attend(*args, slot_t.new_empty(0), D**-0.5)
+        ok &= bool((got.float() - reference(*args, None).float()).abs().max() <= tol)
+    return ok

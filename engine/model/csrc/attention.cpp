@@ -110,6 +110,22 @@ inline vf16 fma16(vf16 a, vf16 b, vf16 c) {
 #endif
 inline vf16 fma16(float a, vf16 b, vf16 c) { return fma16(vf16{} + a, b, c); }
 
+// Where the CPU multiplies bfloat16 pairs (AVX-512 BF16), a bf16 row's scores are dot products of
+// bf16 pairs: c + a[2i] b[2i] + a[2i+1] b[2i+1] per float32 lane (the products exact), the
+// query's pair broadcast over the block's 16 keys. Its keys then need no conversion and half the
+// transposing, and its scores half the instructions.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+inline vf16 dot2(vf16 c, uint32_t a, vi16 b) {
+  return reinterpret_cast<vf16>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(c),
+                                                 reinterpret_cast<__m512bh>(_mm512_set1_epi32(a)),
+                                                 reinterpret_cast<__m512bh>(b)));
+}
+#else
+constexpr bool kBf16Dot = false;
+inline vf16 dot2(vf16 c, uint32_t, vi16) { return c; }  // never called
+#endif
+
 // Two-source lane shuffles with constant indices (lanes 0-15 of a, 16-31 of b).
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -119,28 +135,29 @@ inline vf16 fma16(float a, vf16 b, vf16 c) { return fma16(vf16{} + a, b, c); }
 
 // 16 vectors transposed in place (m[j][l] -> m[l][j]) in four stages, stage k exchanging bit k
 // of the row and the column index between rows r and r + 2^k: moves only, no arithmetic.
-inline void transpose16(vf16* m) {
+template <typename V>
+inline void transpose16(V* m) {
   for (int r = 0; r < 16; ++r) {
     if (r & 1) continue;
-    const vf16 a = m[r], b = m[r | 1];
+    const V a = m[r], b = m[r | 1];
     m[r] = SHUF(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
     m[r | 1] = SHUF(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   }
   for (int r = 0; r < 16; ++r) {
     if (r & 2) continue;
-    const vf16 a = m[r], b = m[r | 2];
+    const V a = m[r], b = m[r | 2];
     m[r] = SHUF(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
     m[r | 2] = SHUF(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   }
   for (int r = 0; r < 16; ++r) {
     if (r & 4) continue;
-    const vf16 a = m[r], b = m[r | 4];
+    const V a = m[r], b = m[r | 4];
     m[r] = SHUF(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
     m[r | 4] = SHUF(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   }
   for (int r = 0; r < 16; ++r) {
     if (r & 8) continue;
-    const vf16 a = m[r], b = m[r | 8];
+    const V a = m[r], b = m[r | 8];
     m[r] = SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
     m[r | 8] = SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
@@ -226,8 +243,13 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
 
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     constexpr int NV = D / KB;  // lane vectors a row of D
-    alignas(64) float qf[RT][D];
-    vf16 kt[D];       // the block's keys, transposed: kt[d][j] = key j's element d
+    // bf16 rows where the CPU has bf16 pair products (kBf16Dot), else float32 rows
+    constexpr bool DOT = kBf16Dot && std::is_same<T, c10::BFloat16>::value;
+    constexpr int DP = D / 2;  // a row's bf16 pairs
+    alignas(64) float qf[RT][D];      // float32: a row's query, scaled
+    alignas(64) uint32_t qh[RT][DP];  // DOT: a row's query as bf16 pairs, unscaled
+    vf16 kt[D];   // float32: the block's keys, transposed: kt[d][j] = key j's element d
+    vi16 kt2[DP];  // DOT: kt2[i][j] = key j's pair i
     vf16 vv[KB][NV];  // the block's values
     vf16 acc[RT][NV];
     float m[RT], l[RT];
@@ -246,7 +268,10 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t h = kvh * g.group + (r0 + r) / g.Q, t = (r0 + r) % g.Q;
         const T* src = qp + b * qs0 + h * qs1 + t * qs2;
-        for (int d = 0; d < D; ++d) qf[r][d] = to_float(src[d]) * sc;
+        if constexpr (DOT)
+          std::memcpy(qh[r], src, D * sizeof(T));
+        else
+          for (int d = 0; d < D; ++d) qf[r][d] = to_float(src[d]) * sc;
         m[r] = NEG_INF, l[r] = 0.0f;
         for (int i = 0; i < NV; ++i) acc[r][i] = vf16{};
       }
@@ -265,10 +290,13 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
         bool seen = false;
         for (int j = 0; j < KB; ++j) seen |= any[j] != 0;
         if (!seen) continue;  // no query of the tile sees these keys: not read
+        constexpr int NP = DP / KB;  // DOT: lane vectors of a key's pairs
         vf16 kraw[KB][NV];
+        vi16 kraw2[KB][NP];
         for (int64_t j = 0; j < KB; ++j) {
           if (j >= nk) {
             for (int i = 0; i < NV; ++i) kraw[j][i] = vv[j][i] = vf16{};
+            for (int i = 0; i < NP; ++i) kraw2[j][i] = vi16{};
             continue;
           }
           const int64_t pos = j0 + j;
@@ -281,15 +309,24 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
             kj = kp + sp[b] * ks0 + kvh * ks1 + pos * ks2;
             vj = vp + sp[b] * vs0 + kvh * vs1 + pos * vs2;
           }
-          for (int i = 0; i < NV; ++i) {
-            kraw[j][i] = load16(kj + i * KB);
-            vv[j][i] = load16(vj + i * KB);
-          }
+          for (int i = 0; i < NV; ++i) vv[j][i] = load16(vj + i * KB);
+          if constexpr (DOT)
+            std::memcpy(kraw2[j], kj, D * sizeof(T));
+          else
+            for (int i = 0; i < NV; ++i) kraw[j][i] = load16(kj + i * KB);
         }
-        for (int i = 0; i < NV; ++i) {  // KB x KB blocks of the keys, transposed
-          vf16* blk = &kt[i * KB];
-          for (int j = 0; j < KB; ++j) blk[j] = kraw[j][i];
-          transpose16(blk);
+        if constexpr (DOT) {
+          for (int i = 0; i < NP; ++i) {  // KB x KB blocks of the keys' pairs, transposed
+            vi16* blk = &kt2[i * KB];
+            for (int j = 0; j < KB; ++j) blk[j] = kraw2[j][i];
+            transpose16(blk);
+          }
+        } else {
+          for (int i = 0; i < NV; ++i) {  // KB x KB blocks of the keys, transposed
+            vf16* blk = &kt[i * KB];
+            for (int j = 0; j < KB; ++j) blk[j] = kraw[j][i];
+            transpose16(blk);
+          }
         }
         // RR rows at a time: their independent chains keep both FMA pipes busy (one row's
         // four partial sums alone wait on the FMA latency); each row's arithmetic is its own
@@ -297,21 +334,36 @@ void attend_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
           constexpr int RR = decltype(rows_tag)::value;
           vf16 s0[RR], s1[RR], s2[RR], s3[RR];
           for (int x = 0; x < RR; ++x) s0[x] = s1[x] = s2[x] = s3[x] = vf16{};
-          // scores of the block's KB keys: four partial sums over d, added in a fixed order
-          for (int d = 0; d < D; d += 4) {
-            for (int x = 0; x < RR; ++x) {
-              const float* qr = qf[r + x];
-              s0[x] = fma16(qr[d], kt[d], s0[x]);
-              s1[x] = fma16(qr[d + 1], kt[d + 1], s1[x]);
-              s2[x] = fma16(qr[d + 2], kt[d + 2], s2[x]);
-              s3[x] = fma16(qr[d + 3], kt[d + 3], s3[x]);
+          // scores of the block's KB keys: four partial sums over d (or d's pairs), added in a
+          // fixed order
+          if constexpr (DOT) {
+            for (int i = 0; i < DP; i += 4) {
+              for (int x = 0; x < RR; ++x) {
+                const uint32_t* qr = qh[r + x];
+                s0[x] = dot2(s0[x], qr[i], kt2[i]);
+                s1[x] = dot2(s1[x], qr[i + 1], kt2[i + 1]);
+                s2[x] = dot2(s2[x], qr[i + 2], kt2[i + 2]);
+                s3[x] = dot2(s3[x], qr[i + 3], kt2[i + 3]);
+              }
             }
+            for (int x = 0; x < RR; ++x) s0[x] = ((s0[x] + s1[x]) + (s2[x] + s3[x])) * sc;
+          } else {
+            for (int d = 0; d < D; d += 4) {
+              for (int x = 0; x < RR; ++x) {
+                const float* qr = qf[r + x];
+                s0[x] = fma16(qr[d], kt[d], s0[x]);
+                s1[x] = fma16(qr[d + 1], kt[d + 1], s1[x]);
+                s2[x] = fma16(qr[d + 2], kt[d + 2], s2[x]);
+                s3[x] = fma16(qr[d + 3], kt[d + 3], s3[x]);
+              }
+            }
+            for (int x = 0; x < RR; ++x) s0[x] = (s0[x] + s1[x]) + (s2[x] + s3[x]);
           }
           vf16 pv[RR], a[RR][NV];
           float corr[RR], mnew[RR];
           bool live[RR];
           for (int x = 0; x < RR; ++x) {
-            const vf16 sv = see[r + x] != 0 ? (s0[x] + s1[x]) + (s2[x] + s3[x]) : neg_inf;
+            const vf16 sv = see[r + x] != 0 ? s0[x] : neg_inf;
             const float bmax = hmax(sv);
             live[x] = bmax != NEG_INF;  // else the row sees none of these keys: unchanged
             const float m0 = m[r + x];
