@@ -1,14 +1,15 @@
 """4-bit weight matrices (groups of 32 inputs, ``w = d * q + m``, q in 0..15: GGUF's Q4_1) and
 their matmul on CPU, by one of two kernels:
 
-- **specd's AVX-512 VNNI kernel** (``engine/model/csrc/q4_avx512.cpp``, op ``specd_q4::mm``), built
+- **specd's kernel** (``engine/model/csrc/q4_avx512.cpp`` for AVX-512 VNNI, else
+  ``q4_avx2.cpp`` for AVX2 with the same result bit for bit; op ``specd_q4::mm``), built
   on first use with torch's C++ extension loader (a C++ compiler and ninja; once, then cached).
   It rounds the activations to 8 bits per row and group of 32 (:func:`activations_8bit`, as
   llama.cpp's Q4_1 x Q8_1 dot products do) and multiplies them with the nibbles as they are
   stored (``VPDPBUSD``), keeping d and m as the file's fp16 values. It reads the weights once per
   8 rows, and a row costs one instruction per 64 weights, so a verify of 2-4 tokens costs about
-  what a decode does. Used for bf16 activations on a CPU with AVX-512 VNNI and BF16 whenever it
-  builds and passes its self-test at load.
+  what a decode does (the AVX2 build: per 4 rows). Used for bf16 activations on a CPU with
+  AVX-512 VNNI and BF16, or AVX2, whenever it builds and passes its self-test at load.
 - **torch's** ``_weight_int4pack_mm_for_cpu``, with the scales and ``zero = m + 8 d`` held in the
   activation dtype: everywhere else (no compiler, another CPU, float16 or float32), or with
   ``SPECD_Q4_KERNEL=0``.
@@ -36,17 +37,30 @@ from engine.fallback import warn_fallback
 
 log = logging.getLogger("specd.q4")
 GROUP = 32
-_SRC = Path(__file__).with_name("csrc") / "q4_avx512.cpp"
-_FLAGS = [
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512dq",
-    "avx512_bf16",
-    "avx512_vnni",
-    "f16c",
-    "fma",
-]
+_CSRC = Path(__file__).with_name("csrc")
+# the builds of specd's kernel, best first: (name, source, the CPU flags it needs); both give
+# the same bits (q4_avx2.cpp says how)
+BUILDS = (
+    (
+        "avx512",
+        _CSRC / "q4_avx512.cpp",
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni")
+        + ("f16c", "fma"),
+    ),
+    ("avx2", _CSRC / "q4_avx2.cpp", ("avx2", "f16c", "fma")),
+)
+
+
+def isa() -> str | None:
+    """The build of specd's kernel this CPU runs: the first of :data:`BUILDS` whose flags it
+    lists, or None (``SPECD_Q4_ISA`` names one, to test the AVX2 build on an AVX-512 machine)."""
+    wanted = os.environ.get("SPECD_Q4_ISA")
+    for name, _, flags in BUILDS:
+        if (wanted is None or wanted == name) and cpu_has_flags(list(flags)):
+            return name
+    return None
+
+
 _torch_only = [False]  # only_torch_kernel()
 
 
@@ -119,8 +133,16 @@ def kernel_available() -> bool:
     process; ``SPECD_Q4_KERNEL=0`` switches it off)."""
     if os.environ.get("SPECD_Q4_KERNEL", "1") == "0":
         return False
+    build = next((b for b in BUILDS if b[0] == isa()), None)
+    if build is None:
+        return False
     return probe_kernel(
-        "specd's 4-bit kernel", _FLAGS, _load_library, _self_test, log, fallback="using torch's"
+        f"specd's 4-bit kernel ({build[0]})",
+        list(build[2]),
+        _load_library,
+        _self_test,
+        log,
+        fallback="using torch's",
     )
 
 
@@ -152,7 +174,8 @@ def build_extension(name: str, src: Path, flags: list[str], extra: tuple[str, ..
 @functools.cache
 def _load_library() -> None:
     """Build and load the op (:func:`build_extension`), once per process."""
-    build_extension("specd_q4_avx512", _SRC, _FLAGS)
+    name, src, flags = next(b for b in BUILDS if b[0] == isa())
+    build_extension(f"specd_q4_{name}", src, list(flags))
     torch.library.register_fake("specd_q4::mm")(
         lambda x, packed: x.new_empty(x.shape[0], packed.shape[0] * 16)
     )

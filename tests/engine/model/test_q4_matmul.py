@@ -1,24 +1,33 @@
-"""4-bit matmuls (engine/model/q4_matmul.py): specd's AVX-512 VNNI kernel computes x8 @ W.T of the
-stored weights (d, m as fp16) and the activations rounded to 8 bits a group (x8 =
+"""4-bit matmuls (engine/model/q4_matmul.py): specd's kernel (AVX-512 VNNI, or AVX2) computes
+x8 @ W.T of the stored weights (d, m as fp16) and the activations rounded to 8 bits a group (x8 =
 ``activations_8bit(x)``) to bf16 rounding, each output row from its input row alone (bitwise
 the same whatever else is in the batch), inside compiled graphs too; torch's kernel serves
-where specd's does not apply."""
+where specd's does not apply. The AVX2 build gives the AVX-512 build's bits (checked in a process
+of its own where this CPU runs the AVX-512 one)."""
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from engine.model.q4_matmul import (
+    BUILDS,
     GROUP,
     activations_8bit,
+    cpu_has_flags,
     dequantized,
+    isa,
     kernel_available,
     pack,
     q4_linear,
 )
 
 needs_kernel = pytest.mark.skipif(
-    not kernel_available(), reason="specd's 4-bit kernel needs AVX-512 VNNI + BF16, a C++ compiler"
+    not kernel_available(),
+    reason="specd's 4-bit kernel needs AVX-512 VNNI + BF16 or AVX2, and a C++ compiler",
 )
 
 
@@ -184,3 +193,47 @@ def test_specd_kernel_zero_tiny_and_non_finite_groups():
     assert torch.equal(y[0], q4_linear(x[:1], w)[0])
     ref = activations_8bit(x)
     assert ref[3].isnan().any() and torch.equal(ref[1], torch.zeros(64))
+
+
+OTHER_BUILDS = [b[0] for b in BUILDS if b[0] != isa() and cpu_has_flags(list(b[2]))]
+BITS_CASES = """
+import numpy as np, torch
+from engine.model.q4_matmul import GROUP, _pack_specd
+out = []
+for n, k, seed in ((48, 96, 0), (576, 1536, 1), (208, 576, 2)):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    d = rng.uniform(0.001, 0.03, (n, k // GROUP)).astype(np.float32)
+    m = rng.uniform(-0.25, 0.05, (n, k // GROUP)).astype(np.float32)
+    w = _pack_specd(q, d, m)
+    for rows in (1, 3, 4, 5, 8, 9, 17):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        x[0, :GROUP] = 0  # a group that rounds to zero
+        if rows > 3:
+            x[3, GROUP : 2 * GROUP] = float("inf")  # a non-finite group: that row is NaN
+        out.append(torch.ops.specd_q4.mm(x, w).view(torch.int16))
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", OTHER_BUILDS or [pytest.param("none", marks=pytest.mark.skip)])
+def test_the_builds_this_cpu_does_not_pick_give_the_same_bits(build, tmp_path):
+    """Each build this CPU could run but does not pick (AVX2 on an AVX-512 machine), in a process
+    of its own, gives this process's build's output bit for bit (tiles of 1-8 rows and their
+    tails, a zero group, a non-finite one)."""
+    ns: dict = {}
+    exec(BITS_CASES, ns)  # this process's build
+    code = (
+        "from engine.model import q4_matmul as q\n"
+        f"assert q.isa() == {build!r} and q.kernel_available()\n"
+        + BITS_CASES
+        + f"torch.save(out, {str(tmp_path / 'other.pt')!r})\n"
+    )
+    env = os.environ | {"SPECD_Q4_ISA": build}
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    other = torch.load(tmp_path / "other.pt")
+    assert len(other) == len(ns["out"]) == 21
+    assert all(torch.equal(a, b) for a, b in zip(ns["out"], other))
