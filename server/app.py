@@ -56,7 +56,14 @@ def create_app(
     fingerprint = "fp_" + hashlib.sha256(built.encode()).hexdigest()[:10]
     app.state.worker = worker
     if metrics is None:
-        metrics = Metrics(model_name, capacity.drafter, capacity.k_max)
+        metrics = Metrics(
+            model_name,
+            capacity.drafter,
+            capacity.k_max,
+            served_name=served[0],
+            max_model_len=capacity.max_model_len,
+            cache_info=capacity.cache_info,
+        )
     app.state.metrics = metrics
 
     def observe(on: bool) -> None:  # metrics follow the engine while the app runs

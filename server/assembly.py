@@ -43,14 +43,23 @@ HARD_EXIT_S = 3.0  # past the shutdown timeout, a watchdog ends the process what
 def engine_capacity(built: Built, generation_config: str = "auto") -> EngineCapacity:
     """What ``built`` serves, with the sampling defaults ``generation_config`` names
     (server/generation_defaults.py; ValueError for a folder without one)."""
-    engine, drafter = built.engine, built.config.drafter
+    engine, cfg = built.engine, built.config
+    block = cfg.prefix_block_size
+    cache_info = {  # vLLM's cache_config_info labels, of what specd has: positions per block,
+        # the KV budget in blocks (vLLM's name says GPU; on CPU it is the same budget)
+        "block_size": str(block),
+        "num_gpu_blocks": str(engine.load().kv_budget_tokens // block),
+        "cache_dtype": cfg.model.dtype,
+        "enable_prefix_caching": str(cfg.prefix_cache_tokens > 0),
+    }
     return EngineCapacity(
         engine.target.max_len,
         engine.vocab_size,
-        drafter.method,
-        drafter.k_max,
-        built.config.deterministic,
+        cfg.drafter.method,
+        cfg.drafter.k_max,
+        cfg.deterministic,
         generation_defaults.resolve(generation_config, engine.target.model),
+        cache_info,
     )
 
 

@@ -46,6 +46,8 @@ class EngineCapacity:
     deterministic: str = "off"  # the engine's deterministic mode: off | request | always
     # the model's sampling defaults in force (server/generation_defaults.py; {}: OpenAI's)
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # the KV cache's configuration as vLLM's cache_config_info labels it (server/metrics.py)
+    cache_info: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 from engine.api import EngineError, EngineWorker, Reservation, StepOutput
 
 from .convert import Job
-from .metrics import Metrics
+from .metrics import Metrics, SequenceClock
 from .textstream import IncrementalDetokenizer, StopFilter
 
 
@@ -95,6 +95,7 @@ class JobRun:
     started: float = field(default_factory=time.perf_counter)  # when the HTTP request came in
     tally: Tally = field(default_factory=Tally)
     response_id: str = ""  # the response's id (server/routes.py ``admit``; "": request_id)
+    clocks: dict[int, SequenceClock] = field(default_factory=dict)  # by choice index
 
     def _token_text(self, t: int) -> str:
         if self.job.token_ids:  # vLLM's return_tokens_as_token_ids
@@ -103,7 +104,9 @@ class JobRun:
 
     async def _choice(self, index: int, prompt: list[int]) -> AsyncGenerator[ChoiceEvent, None]:
         """One choice's events; its latencies and finish reason go to the metrics."""
-        clock = self.metrics.sequence_clock(self.started) if self.metrics else None
+        clock = self.metrics.sequence_clock(self.started, len(prompt)) if self.metrics else None
+        if clock:
+            self.clocks[index] = clock
         if index % self.job.n == 0:  # a prompt counts once, however many choices share it
             self.tally.prompt_tokens += len(prompt)
             if self.metrics:
@@ -190,6 +193,25 @@ class JobRun:
 
     async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Events of every choice, interleaved as they come; choice index = prompt * n + i."""
+        try:
+            async with aclosing(self._events()) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self._observe_prompts()
+
+    def _observe_prompts(self) -> None:
+        """Per prompt, the output tokens of its longest choice (vLLM counts a prompt's ``n``
+        choices as one request with a maximum)."""
+        if not self.metrics or not self.clocks:
+            return
+        n = self.job.n
+        for p in range(len(self.job.prompts)):
+            made = [c.generated for i in range(n) if (c := self.clocks.get(p * n + i))]
+            if made:
+                self.metrics.request_max_generation_tokens.observe(max(made))
+
+    async def _events(self) -> AsyncGenerator[ChoiceEvent, None]:
         gens = [
             self._choice(p * self.job.n + i, prompt)
             for p, prompt in enumerate(self.job.prompts)

@@ -57,7 +57,7 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 
 def _per(unit: int, *counts: int) -> tuple[float, ...]:
@@ -74,6 +74,22 @@ REQUEST_BUCKETS = _per(
 PHASE_BUCKETS = _per(
     10000, 2, 5, 10, 20, 50, 100, 200, 350, 500, 750, 1000, 1500, 2500, 5000, 10000, 25000
 )
+# tokens one engine step computed, prompts and outputs together (vLLM's bounds)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's request_success reasons: an engine error ended the sequence early, as an abort does
+VLLM_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "abort"}
+
+
+def one_two_five(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets, up to the context)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _Twin:
@@ -98,12 +114,28 @@ class Metrics:
     ``sequence_clock`` on the asyncio side for every sequence of a request."""
 
     def __init__(
-        self, model: str, drafter: str, k_max: int = 8, registry: CollectorRegistry | None = None
+        self,
+        model: str,
+        drafter: str,
+        k_max: int = 8,
+        registry: CollectorRegistry | None = None,
+        *,
+        served_name: str | None = None,
+        max_model_len: int = 1 << 20,
+        cache_info: dict[str, str] | None = None,
     ):
+        """``model``: the config's name (label ``model``); ``served_name``: the first name
+        clients ask for (``--served-model-name``), vLLM's ``model_name`` label, as vLLM labels
+        it (the gateway matches it to the model a request names); default ``model``.
+        ``max_model_len`` bounds the token-count buckets; ``cache_info``: the labels of
+        ``vllm:cache_config_info``."""
         self.registry = r = registry or CollectorRegistry()
+        # process_* (CPU seconds, resident memory, open fds, start time), as on vLLM's page
+        ProcessCollector(registry=r)
         lab = {"model": model, "drafter": drafter}
         names = list(lab)
         self.k_max = k_max
+        model_name = served_name or model
 
         def counter(name, doc, extra=()):
             return Counter(name, doc, names + list(extra), registry=r)
@@ -165,16 +197,20 @@ class Metrics:
                     "specd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
                 ),
                 vllm_counter("prefix_cache_queries", "Prefix cache queries, in tokens").labels(
-                    model
+                    model_name
                 ),
             ),
             "prefix_hits": (
                 counter("specd_prefix_cache_hits", "Prompt tokens restored from the prefix cache."),
-                vllm_counter("prefix_cache_hits", "Prefix cache hits, in tokens").labels(model),
+                vllm_counter("prefix_cache_hits", "Prefix cache hits, in tokens").labels(
+                    model_name
+                ),
             ),
             "preemptions": (
                 counter("specd_preemptions", "Sequences preempted: KV freed, recomputed later."),
-                vllm_counter("num_preemptions", "Cumulative number of preemptions").labels(model),
+                vllm_counter("num_preemptions", "Cumulative number of preemptions").labels(
+                    model_name
+                ),
             ),
         }
         self._prefix_seen = {k: 0 for k in self._prefix}  # the engine's totals, as last read
@@ -259,42 +295,43 @@ class Metrics:
             return Gauge(f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name"], registry=r)
 
         self._gauges = {  # EngineLoad field -> its gauges
-            "running": (self._running, vllm("num_requests_running", "Running").labels(model)),
-            "waiting": (self._waiting, vllm("num_requests_waiting", "Waiting").labels(model)),
+            "running": (self._running, vllm("num_requests_running", "Running").labels(model_name)),
+            "waiting": (self._waiting, vllm("num_requests_waiting", "Waiting").labels(model_name)),
         }
         self._kv_gauges = (
             self._kv,
-            vllm("kv_cache_usage_perc", "KV cache used, 0..1").labels(model),
+            vllm("kv_cache_usage_perc", "KV cache used, 0..1").labels(model_name),
         )
 
         def vllm_hist(name: str, doc: str, buckets):
             return Histogram(
                 f"vllm:{name}", f"{doc} (vLLM's name)", ["model_name"], buckets=buckets, registry=r
-            ).labels(model)
+            ).labels(model_name)
 
         # children with the model/drafter labels bound (the hot path does no label lookups),
         # twinned with vLLM's names where vLLM has the same measure
         self.drafted = _Twin(
             self._drafted.labels(**lab),
-            vllm_counter("spec_decode_num_draft_tokens", "Draft tokens").labels(model),
+            vllm_counter("spec_decode_num_draft_tokens", "Draft tokens").labels(model_name),
         )
         self.accepted = _Twin(
             self._accepted.labels(**lab),
-            vllm_counter("spec_decode_num_accepted_tokens", "Accepted tokens").labels(model),
+            vllm_counter("spec_decode_num_accepted_tokens", "Accepted tokens").labels(model_name),
         )
         self.drafts = vllm_counter(  # rounds of a sequence that drafted
             "spec_decode_num_drafts", "Sequence rounds that drafted"
-        ).labels(model)
+        ).labels(model_name)
         self.forced = self._forced.labels(**lab)
         self.leaves = self._leaves.labels(**lab)
         self.leaf_accepts = self._leaf_accepts.labels(**lab)
         self.passes = self._passes.labels(**lab)
         self.output_tokens = _Twin(
             self._out.labels(**lab),
-            vllm_counter("generation_tokens", "Generation tokens").labels(model),
+            vllm_counter("generation_tokens", "Generation tokens").labels(model_name),
         )
         self.prompt_tokens = _Twin(
-            self._prompt.labels(**lab), vllm_counter("prompt_tokens", "Prompt tokens").labels(model)
+            self._prompt.labels(**lab),
+            vllm_counter("prompt_tokens", "Prompt tokens").labels(model_name),
         )
         self.tokens_per_pass, self.draft_length = self._tpp.labels(**lab), self._k.labels(**lab)
         self.itl = _Twin(
@@ -323,10 +360,60 @@ class Metrics:
         self.accepted_pos = [  # vLLM counts positions from 0
             _Twin(
                 self._accepted_pos.labels(**lab, position=str(j)),
-                accepted_pos.labels(model, str(j - 1)),
+                accepted_pos.labels(model_name, str(j - 1)),
             )
             for j in range(1, k_max + 1)
         ]
+        # vLLM's per-request measures, observed when a sequence ends (SequenceClock.done)
+        success = vllm_counter(
+            "request_success", "Finished requests by finish reason", ["finished_reason"]
+        )
+        # every reason's series exists from the start (at 0), as on vLLM's page
+        self.success = {
+            why: success.labels(model_name, why) for why in sorted(set(VLLM_FINISH.values()))
+        }
+        counts = one_two_five(max_model_len)
+        self.request_prompt_tokens = vllm_hist(
+            "request_prompt_tokens", "Prompt tokens of a request", counts
+        )
+        self.request_generation_tokens = vllm_hist(
+            "request_generation_tokens", "Generated tokens of a request", counts
+        )
+        self.request_max_generation_tokens = vllm_hist(  # n choices of one prompt: their longest
+            "request_max_num_generation_tokens",
+            "Generated tokens of a request's longest choice",
+            counts,
+        )
+        # admitted (KV slot) -> first token -> last token; the queue before is request_queue_time
+        self.prefill_time = vllm_hist(
+            "request_prefill_time_seconds", "From a KV slot to the first token", REQUEST_BUCKETS
+        )
+        self.decode_time = vllm_hist(
+            "request_decode_time_seconds", "From the first token to the last", REQUEST_BUCKETS
+        )
+        self.inference_time = vllm_hist(
+            "request_inference_time_seconds", "From a KV slot to the last token", REQUEST_BUCKETS
+        )
+        self.iteration_tokens = vllm_hist(
+            "iteration_tokens_total",
+            "Tokens of one engine step (prompts + outputs)",
+            ITERATION_BUCKETS,
+        )
+        # an info metric as vLLM writes it: a gauge at 1 whose labels are the KV cache's config
+        # (vLLM's labels: no model_name, engine index 0)
+        info = {**(cache_info or {}), "engine": "0"}
+        Gauge(
+            "vllm:cache_config_info", "KV cache configuration (vLLM's name)", list(info), registry=r
+        ).labels(**info).set(1)
+        # the inference gateway's endpoint picker reads this on every scrape and takes the series
+        # with the newest value (a timestamp): no adapters running or waiting, none loadable
+        self._lora = Gauge(
+            "vllm:lora_requests_info",
+            "LoRA adapters running and waiting; value: when last set (vLLM's name)",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        ).labels(max_lora="0", waiting_lora_adapters="", running_lora_adapters="")
+        self._lora.set_to_current_time()
         self.drafter_failures = self._drafter_failures.labels(**lab)
         self._failures_seen = 0  # the engine's running count, as last read
         self._failures_lock = threading.Lock()  # read from the engine thread and from /metrics
@@ -335,6 +422,11 @@ class Metrics:
     # -- engine thread ----------------------------------------------------------------------------
     def observe_step(self, outputs, stats: dict) -> None:
         """Counts of one engine step: each output is one target pass of one sequence."""
+        if outputs:  # vLLM's step tokens: a prompt counts whole in the step of its first token
+            self.iteration_tokens.observe(
+                sum(len(o.new_token_ids) for o in outputs)
+                + sum(len(o.seq.prompt_ids) for o in outputs if o.stats is None and o.seq)
+            )
         round_seen = False
         for out in outputs:
             n = len(out.new_token_ids)
@@ -365,6 +457,7 @@ class Metrics:
 
     def set_gauges(self, stats: dict) -> None:
         """From :meth:`EngineWorker.stats`."""
+        self._lora.set_to_current_time()
         for field, gauges in self._gauges.items():
             for g in gauges:
                 g.set(stats.get(field, 0))
@@ -403,24 +496,30 @@ class Metrics:
     def finished(self, reason: str) -> None:
         self._finished.labels(**self._lab, finish_reason=reason).inc()
 
-    def sequence_clock(self, started: float) -> SequenceClock:
-        return SequenceClock(self, started)
+    def sequence_clock(self, started: float, prompt_tokens: int = 0) -> SequenceClock:
+        return SequenceClock(self, started, prompt_tokens)
 
 
 class SequenceClock:
-    """Latencies of one sequence as the server sees its outputs arrive."""
+    """Latencies and token counts of one sequence as the server sees its outputs arrive."""
 
-    def __init__(self, metrics: Metrics, started: float):
-        self.m, self.started = metrics, started
+    def __init__(self, metrics: Metrics, started: float, prompt_tokens: int = 0):
+        self.m, self.started, self.prompt_tokens = metrics, started, prompt_tokens
+        self.first: float | None = None
         self.last: float | None = None
+        self.admitted: float | None = None  # when it got the KV slot its first token came from
+        self.generated = 0  # output tokens received
 
     def tokens(self, n: int, seq=None) -> None:
         if n <= 0:
             return
-        now = time.perf_counter()
+        self.generated += n
+        now = time.perf_counter()  # the engine's clock too (Sequence.arrival, .admitted)
         if self.last is None:
+            self.first = now
             self.m.ttft.observe(now - self.started)
             if seq is not None and seq.admitted is not None:
+                self.admitted = seq.admitted
                 self.m.queue.observe(max(0.0, seq.admitted - seq.arrival))
         else:
             gap = (now - self.last) / n
@@ -429,6 +528,15 @@ class SequenceClock:
         self.last = now
 
     def done(self, reason: str) -> None:
+        m = self.m
         if self.last is not None:
-            self.m.e2e.observe(self.last - self.started)
-        self.m.finished(reason)
+            m.e2e.observe(self.last - self.started)
+            if self.first is not None:
+                m.decode_time.observe(self.last - self.first)
+            if self.admitted is not None and self.first is not None:
+                m.prefill_time.observe(max(0.0, self.first - self.admitted))
+                m.inference_time.observe(max(0.0, self.last - self.admitted))
+        m.finished(reason)
+        m.success[VLLM_FINISH.get(reason, "abort")].inc()
+        m.request_prompt_tokens.observe(self.prompt_tokens)
+        m.request_generation_tokens.observe(self.generated)

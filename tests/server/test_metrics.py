@@ -155,6 +155,49 @@ def test_counters_equal_usage_and_histograms_count_what_was_served(live, built):
         ("specd_queue_time_seconds", "vllm:request_queue_time_seconds"),
     ]:
         assert total(m, f"{theirs}_count", **v) == total(m, f"{ours}_count") > 0
+    # vLLM's per-request measures: one observation per sequence, its tokens and its phases
+    assert total(m, "vllm:request_success_total", **v) == sequences
+    assert total(m, "vllm:request_success_total", finished_reason="abort", **v) == 0
+    assert total(m, "vllm:request_generation_tokens_sum", **v) == usage["completion"]
+    assert total(m, "vllm:request_prompt_tokens_count", **v) == sequences
+    assert total(m, "vllm:request_max_num_generation_tokens_count", **v) == requests
+    assert total(m, "vllm:request_max_num_generation_tokens_sum", **v) <= usage["completion"]
+    for phase in ("prefill", "decode", "inference"):
+        assert total(m, f"vllm:request_{phase}_time_seconds_count", **v) == sequences
+    assert total(m, "vllm:request_inference_time_seconds_sum", **v) == pytest.approx(
+        total(m, "vllm:request_prefill_time_seconds_sum", **v)
+        + total(m, "vllm:request_decode_time_seconds_sum", **v)
+    )
+    # every token of a step: the outputs, and each prompt whole in the step of its first token
+    assert total(m, "vllm:iteration_tokens_total_sum", **v) == usage["completion"] + total(
+        m, "vllm:request_prompt_tokens_sum", **v
+    )
+    assert total(m, "process_cpu_seconds_total") > 0
+
+
+def test_vllm_model_name_is_the_served_name(live, built):
+    """With --served-model-name, vLLM's model_name label is that name (the gateway and vLLM's
+    dashboards select by the name clients send), and its counters move with the traffic."""
+    with TestClient(make_app(built, live.worker, served_model_names=["alias", "other"])) as c:
+        before = scrape(c.get("/metrics").text)
+        r = c.post(
+            "/v1/completions",
+            json={"model": "other", "prompt": "1, 2, 3,", "max_tokens": 6, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        time.sleep(0.2)  # past metrics_cache_s: the next scrape renders anew
+        after = scrape(c.get("/metrics").text)
+    v = {"model_name": "alias"}
+    made = r.json()["usage"]["completion_tokens"]
+
+    def moved(name, **lab):
+        return total(after, name, **v, **lab) - total(before, name, **v, **lab)
+
+    assert moved("vllm:generation_tokens_total") == made > 0
+    assert moved("vllm:request_success_total") == 1
+    assert moved("vllm:request_generation_tokens_sum") == made
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert not [k for k in after if k[0].startswith("vllm:") and ("model_name", MODEL) in k[1]]
 
 
 def listening_address(prom: subprocess.Popen) -> str:
@@ -166,6 +209,47 @@ def listening_address(prom: subprocess.Popen) -> str:
             threading.Thread(target=prom.stderr.read, daemon=True).start()
             return found.group(1)
     raise AssertionError(f"prometheus exited ({prom.wait()}) before listening")
+
+
+# what vLLM's example Grafana dashboard and the gateway read, with its $model_name variable set
+# to the model (docs/operations.md says these work unchanged on specd)
+_M = f'{{model_name="{MODEL}"}}'  # the selector of vLLM's dashboard, $model_name set
+VLLM_QUERIES = [
+    *(
+        f"histogram_quantile(0.99, sum by(le) (rate(vllm:{h}_bucket{_M}[1m])))"
+        for h in (
+            "e2e_request_latency_seconds",
+            "inter_token_latency_seconds",
+            "time_to_first_token_seconds",
+            "iteration_tokens_total",
+        )
+    ),
+    *(
+        f"rate(vllm:{c}{_M}[1m])"
+        for c in (
+            "prompt_tokens_total",
+            "generation_tokens_total",
+            "e2e_request_latency_seconds_sum",
+            "request_queue_time_seconds_sum",
+            "request_prefill_time_seconds_sum",
+            "request_decode_time_seconds_sum",
+            "request_inference_time_seconds_sum",
+            "request_max_num_generation_tokens_sum",
+            "spec_decode_num_accepted_tokens_total",
+            "spec_decode_num_draft_tokens_total",
+        )
+    ),
+    f"sum by(le) (increase(vllm:request_prompt_tokens_bucket{_M}[1m]))",
+    f"sum by(le) (increase(vllm:request_generation_tokens_bucket{_M}[1m]))",
+    f"sum by(finished_reason) (increase(vllm:request_success_total{_M}[1m]))",
+    f"vllm:num_requests_running{_M}",
+    f"vllm:num_requests_waiting{_M}",
+    f"vllm:kv_cache_usage_perc{_M}",
+    'vllm:cache_config_info{block_size!="", engine="0"}',
+    'max by (running_lora_adapters, waiting_lora_adapters) (vllm:lora_requests_info{max_lora="0"})',
+    "rate(process_cpu_seconds_total[1m])",
+    "process_resident_memory_bytes",
+]
 
 
 def dashboard_queries() -> list[str]:
@@ -228,7 +312,7 @@ def test_prometheus_rules_and_dashboard_queries_return_data(live):
             api = f"http://{listening_address(prom)}/api/v1/query"
             client = openai.OpenAI(base_url=live.base_url, api_key="x", max_retries=0)
             deadline = time.monotonic() + 300  # bounds a hang only
-            queries = rule_names() + dashboard_queries()
+            queries = rule_names() + dashboard_queries() + VLLM_QUERIES
             missing = queries
             while missing and time.monotonic() < deadline:
                 # traffic in between scrapes, so that every rate has two samples that differ
@@ -319,6 +403,75 @@ def test_vllm_named_gauges_carry_the_same_values():
     assert total(m, "specd_kv_cache_usage_ratio") == 0.25
     assert total(m, "vllm:num_preemptions_total", model_name="m") == 2
     assert total(m, "specd_preemptions_total") == 2
+
+
+def test_vllm_request_metrics_move_with_a_sequence():
+    """vLLM's per-request histograms, finish-reason counter, step tokens and info gauges, fed
+    as the engine and the server feed them; vLLM's model_name is the served name."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from engine.api import StepOutput
+    from server.metrics import Metrics
+
+    info = {"block_size": "16", "num_gpu_blocks": "4096", "cache_dtype": "float32"}
+    metrics = Metrics(
+        "config-name", "ngram", served_name="alias", max_model_len=100, cache_info=info
+    )
+    m = scrape(generate_latest(metrics.registry).decode())
+    for why in ("stop", "length", "abort"):  # every reason's series, at 0 before any request
+        assert (
+            m[
+                (
+                    "vllm:request_success_total",
+                    frozenset({"model_name": "alias", "finished_reason": why}.items()),
+                )
+            ]
+            == 0
+        )
+    assert total(m, "vllm:request_prompt_tokens_bucket", le="100.0") == 0
+    assert (
+        "vllm:request_prompt_tokens_bucket",
+        frozenset({"model_name": "alias", "le": "200.0"}.items()),
+    ) not in m  # buckets end at the context
+
+    t0 = time.perf_counter()
+    seq = SimpleNamespace(arrival=t0 - 0.5, admitted=t0 - 0.2, prompt_ids=list(range(7)))
+    metrics.observe_step([StepOutput("r-0", [5], False, None, seq=seq)], {})  # prefill token
+    clock = metrics.sequence_clock(t0 - 0.5, prompt_tokens=7)
+    clock.tokens(1, seq)
+    time.sleep(0.01)
+    clock.tokens(3, seq)
+    clock.done("length")
+    other = metrics.sequence_clock(time.perf_counter(), prompt_tokens=2)
+    other.done("error")  # never got a token: counted, with no timings
+    metrics.set_gauges({"running": 0, "waiting": 0})
+    m = scrape(generate_latest(metrics.registry).decode())
+    v = {"model_name": "alias"}
+    assert not [k for k in m if k[0].startswith("vllm:") and ("model_name", "config-name") in k[1]]
+    assert total(m, "vllm:request_success_total", finished_reason="length", **v) == 1
+    assert total(m, "vllm:request_success_total", finished_reason="abort", **v) == 1
+    assert total(m, "vllm:request_success_total", finished_reason="stop", **v) == 0
+    assert total(m, "vllm:request_prompt_tokens_sum", **v) == 9
+    assert total(m, "vllm:request_prompt_tokens_count", **v) == 2
+    assert total(m, "vllm:request_generation_tokens_sum", **v) == 4
+    assert total(m, "vllm:request_generation_tokens_bucket", le="5.0", **v) == 2
+    assert total(m, "vllm:request_generation_tokens_bucket", le="2.0", **v) == 1
+    assert total(m, "vllm:iteration_tokens_total_sum", **v) == 8  # the prompt + its first token
+    assert total(m, "vllm:iteration_tokens_total_count", **v) == 1
+    prefill = total(m, "vllm:request_prefill_time_seconds_sum", **v)
+    decode = total(m, "vllm:request_decode_time_seconds_sum", **v)
+    inference = total(m, "vllm:request_inference_time_seconds_sum", **v)
+    assert total(m, "vllm:request_prefill_time_seconds_count", **v) == 1
+    assert prefill >= 0.2 and decode >= 0.01
+    assert inference == pytest.approx(prefill + decode)
+    assert total(m, "vllm:e2e_request_latency_seconds_count", **v) == 1
+    assert m[("vllm:cache_config_info", frozenset({**info, "engine": "0"}.items()))] == 1
+    lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert abs(m[("vllm:lora_requests_info", frozenset(lora.items()))] - time.time()) < 60
+    assert total(m, "process_resident_memory_bytes") > 0
+    assert total(m, "process_cpu_seconds_total") > 0
 
 
 def test_forward_path_gauge_shows_the_path_taken_and_a_fallback():
