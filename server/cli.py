@@ -94,11 +94,12 @@ def vllm_flags(args) -> None:
 
 
 def _env_or(args, name: str):
-    """A flag's value, else its SPECD_<NAME> environment variable (None: neither)."""
+    """A flag's value, else its SPECD_<NAME> environment variable (None: neither; an empty
+    variable, as compose's ``${X:-}`` passes for an unset one, is not set)."""
     import os
 
     value = getattr(args, name, None)
-    return value if value is not None else os.environ.get(f"SPECD_{name.upper()}")
+    return value if value is not None else (os.environ.get(f"SPECD_{name.upper()}") or None)
 
 
 def speculative_config(text: str) -> tuple[str, int | None, tuple[int, int] | None]:

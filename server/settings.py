@@ -1,5 +1,5 @@
 """Server settings. Precedence: command-line flag > environment (SPECD_*) > config file >
-default."""
+default. An environment variable set to the empty string counts as not set."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ class ServerSettings:
         cls, file_data: dict | None, env: Mapping[str, str] | None = None, flags: dict | None = None
     ) -> ServerSettings:
         env = os.environ if env is None else env
+        # an empty variable is not set: docker-compose's ${SPECD_API_KEY:-} passes "" when the
+        # host has no value, and that must not replace the config file's keys with none
+        env = {k: v for k, v in env.items() if k.startswith("SPECD_") and v != ""}
         values: dict = {}
         known = {f.name: f for f in fields(cls)}
         for k, v in (file_data or {}).items():

@@ -101,6 +101,40 @@ def test_compose_cpu_variant():
     assert cpu["read_only"] is True and "/tmp" in cpu["tmpfs"]
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration ("1m30s", "35s", "500ms") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+@pytest.mark.parametrize("service", ["specd", "specd-cpu"])
+def test_compose_stop_grace_outlasts_the_drain(service):
+    """docker compose stop sends SIGTERM, then SIGKILL after stop_grace_period (10 s unless set):
+    specd drains for shutdown_timeout_s and its watchdog ends it HARD_EXIT_S after, so the
+    grace period must outlast both or in-flight requests are cut."""
+    from server.assembly import HARD_EXIT_S
+    from server.settings import ServerSettings
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    svc = compose["services"][service]
+    env = svc["environment"]
+    assert "SPECD_SHUTDOWN_TIMEOUT" not in env and "SPECD_SHUTDOWN_TIMEOUT_S" not in env
+    drain = ServerSettings().shutdown_timeout_s + HARD_EXIT_S
+    assert _seconds(svc["stop_grace_period"]) > drain
+
+
+def test_compose_empty_api_key_leaves_the_config_files_keys():
+    """compose passes SPECD_API_KEY="" when the host has none: that is not a key list."""
+    from server.settings import ServerSettings
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert compose["services"]["specd"]["environment"]["SPECD_API_KEY"] == "${SPECD_API_KEY:-}"
+    env = {"SPECD_API_KEY": ""}
+    assert ServerSettings.from_sources({"api_keys": ["secret"]}, env=env).api_keys == ["secret"]
+
+
 @pytest.mark.skipif(not shutil.which("bash"), reason="no bash")
 def test_image_script_parses():
     r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "test_image.sh")], check=False)

@@ -262,3 +262,15 @@ def test_an_engine_seed_makes_unseeded_sampling_repeat():
         return e.generate([[1, 2, 3]], SamplingParams(temperature=1.0, max_tokens=24))[0]
 
     assert sample(7).output_ids == sample(7).output_ids != sample(8).output_ids
+
+
+def test_an_empty_environment_variable_is_not_set(monkeypatch):
+    """compose's ${SPECD_X:-} passes "" for a variable the host lacks: the config's value
+    stays, as if the variable were absent."""
+    default = cli._config(parse([]))
+    monkeypatch.setenv("SPECD_DRAFTER", "")
+    monkeypatch.setenv("SPECD_MAX_RUNNING", "")
+    monkeypatch.setenv("SPECD_MODEL", "")
+    cfg = cli._config(parse([]))
+    assert cfg.drafter.method == default.drafter.method
+    assert cfg.max_running == default.max_running and cfg.model.source == default.model.source

@@ -23,6 +23,18 @@ def test_api_keys_from_env_and_file(tmp_path):
     assert s.api_keys == ["z"]
 
 
+def test_an_empty_variable_is_not_set():
+    """compose's ${SPECD_API_KEY:-} passes "" when the host has none: the file's keys stay,
+    and so does every other file value an empty variable would otherwise replace."""
+    file = {"api_keys": ["secret"], "port": 9000}
+    s = ServerSettings.from_sources(file, env={"SPECD_API_KEY": "", "SPECD_PORT": ""})
+    assert s.api_keys == ["secret"] and s.port == 9000
+    s = ServerSettings.from_sources({}, env={"SPECD_SHUTDOWN_TIMEOUT": "", "SPECD_API_KEY": ""})
+    assert s.shutdown_timeout_s == 25.0 and s.api_keys == []
+    s = ServerSettings.from_sources(file, env={"SPECD_API_KEY": "other"})
+    assert s.api_keys == ["other"]  # a value still replaces them
+
+
 def test_defaults_are_safe():
     s = ServerSettings.from_sources({}, env={})
     assert s.host == "127.0.0.1" and s.api_keys == []
