@@ -65,4 +65,5 @@ VOLUME ["/models", "/cache"]
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
   CMD curl -fsS "http://127.0.0.1:${SPECD_PORT}/ready" || exit 1
-CMD ["sh", "-c", "exec specd serve --config \"$SPECD_CONFIG\""]
+# every specd command (serve, prepare, generate) reads its config from SPECD_CONFIG
+CMD ["specd", "serve"]

@@ -154,6 +154,14 @@ cfg_env=$(docker image inspect -f '{{range .Config.Env}}{{println .}}{{end}}' "$
 grep -qx 'SPECD_DEVICE=cpu' <<<"$cfg_env" || { echo "FAIL: SPECD_DEVICE is not cpu in the CPU variant"; exit 1; }
 uid=$(docker run --rm --network none --read-only "$TAG" id -u)
 [ "$uid" = 1000 ] || { echo "FAIL: specd's uid is $uid, not 1000"; exit 1; }
+# every specd command (prepare, generate, not only the CMD's serve) finds the config: SPECD_CONFIG,
+# else /app/configs/default.yaml (site-packages has no configs/ beside the package)
+for env in "" "-e SPECD_CONFIG="; do
+  # shellcheck disable=SC2086
+  cfg=$(docker run --rm --network none --read-only $env "$TAG" \
+    python -c 'from server.cli import config_file; print(config_file(None))')
+  [ "$cfg" = /app/configs/default.yaml ] || { echo "FAIL: specd's config in the image is '$cfg'"; exit 1; }
+done
 
 # -- 5. run: read-only root, as the chart runs it -----------------------------------------------
 PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -34,7 +34,8 @@ DESCRIPTION
 
     Every flag of serve can also come from the environment, SPECD_<FLAG> (e.g. SPECD_PORT,
     SPECD_DRAFTER, SPECD_MAX_RUNNING); a flag beats the environment, the environment beats the
-    config file (--config, default configs/default.yaml), which sets everything else.
+    config file (--config or SPECD_CONFIG; default configs/default.yaml, beside the package or in
+    the working directory), which sets everything else.
 
     SIGTERM (or Ctrl-C) drains serve: /ready and new requests answer 503 with Retry-After at
     once, while every request already taken finishes (or, at the deadline, ends with an error
@@ -59,7 +60,30 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
-DEFAULT_HEAD = str(ROOT / "models" / "smollm2-135m-eagle3")  # SmolLM2's EAGLE-3 head
+# SmolLM2's EAGLE-3 head; relative, so that engine/builder.py's head_folder finds it in the
+# working directory (the image's /app) as well as beside a checkout's package
+DEFAULT_HEAD = "models/smollm2-135m-eagle3"
+
+
+def config_file(given: str | None) -> str:
+    """The config file: --config, else SPECD_CONFIG (the image sets it), else
+    configs/default.yaml beside the package (a checkout), else in the working directory (an
+    installed package has no configs/ beside it in site-packages; the image's is /app/configs)."""
+    import os
+
+    if given:
+        return given
+    if env := os.environ.get("SPECD_CONFIG"):  # (empty: not set, as compose's ${X:-} passes)
+        return env
+    for candidate in (DEFAULT_CONFIG, Path.cwd() / "configs" / "default.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    raise SystemExit(
+        f"specd: no config file: give --config FILE or set SPECD_CONFIG (no configs/default.yaml "
+        f"in {ROOT} nor in the working directory {Path.cwd()})"
+    )
+
+
 SPECULATIVE_KEYS = {
     "method",
     "model",
@@ -367,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--model", help=model_help)
         else:
             p.add_argument("model", nargs="?", metavar="MODEL", help=model_help)
-        p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config file (YAML)")
+        p.add_argument(
+            "--config",
+            help="config file (YAML; env SPECD_CONFIG; default configs/default.yaml, the "
+            "checkout's or the working directory's)",
+        )
         p.add_argument(
             "--dtype",
             choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
@@ -583,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run(args)
         return 0
+    args.config = config_file(args.config)
     return {"serve": cmd_serve, "prepare": cmd_prepare, "generate": cmd_generate}[args.cmd](args)
 
 

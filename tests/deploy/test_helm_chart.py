@@ -45,6 +45,10 @@ VALUE_SETS = {
             }
         }
     },
+    "compile-cache": {"compileCache": {"persistence": {"enabled": True}}},
+    "compile-cache-claim": {
+        "compileCache": {"persistence": {"enabled": True, "existingClaim": "warm-cache"}}
+    },
     "gpu-llama": yaml.safe_load((CHART / "values-gpu-llama3.1-8b.yaml").read_text()),
     "gpu-qwen": yaml.safe_load((CHART / "values-gpu-qwen2.5-7b.yaml").read_text()),
 }
@@ -232,6 +236,65 @@ def test_the_inference_pool_selects_the_pods_on_the_serving_port():
     assert pool["targetPorts"] == [{"number": 8000}]
     assert pool["endpointPickerRef"]["name"] == "demo-specd-epp"
     assert "InferencePool" not in by_kind(render({}))  # off by default
+
+
+def test_the_compile_cache_outlives_pods_on_a_claim_when_asked():
+    """/cache is an emptyDir by default (every pod compiles); with compileCache.persistence a
+    claim, the chart's (ReadWriteMany, kept on uninstall) or one named, shared by the pods."""
+
+    def cache_volume(values):
+        docs = by_kind(render(values))
+        vols = {v["name"]: v for v in docs["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+        (c,) = docs["Deployment"]["spec"]["template"]["spec"]["containers"]
+        assert {"name": "cache", "mountPath": "/cache"} in c["volumeMounts"]
+        return vols["cache"], docs
+
+    vol, docs = cache_volume({})
+    assert vol["emptyDir"] == {"sizeLimit": "20Gi"} and "PersistentVolumeClaim" not in docs
+    vol, docs = cache_volume(VALUE_SETS["compile-cache"])
+    assert vol["persistentVolumeClaim"] == {"claimName": "demo-specd-cache"}
+    pvc = docs["PersistentVolumeClaim"]
+    assert pvc["metadata"]["name"] == "demo-specd-cache"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert "storageClassName" not in pvc["spec"]  # the cluster's default
+    vol, docs = cache_volume(VALUE_SETS["compile-cache-claim"])
+    assert vol["persistentVolumeClaim"] == {"claimName": "warm-cache"}
+    assert "PersistentVolumeClaim" not in docs  # the named claim is the user's own
+    sized = {"compileCache": {"persistence": {"enabled": True, "size": "5Gi"}}}
+    sized["compileCache"]["persistence"].update(storageClassName="fast", accessModes=["RWO"])
+    pvc = by_kind(render(sized))["PersistentVolumeClaim"]["spec"]
+    assert pvc["storageClassName"] == "fast" and pvc["resources"]["requests"]["storage"] == "5Gi"
+
+
+def test_an_http_route_sends_the_gateways_traffic_to_the_pool_or_the_service():
+    """Rendered only when asked, attached to the named Gateway; its backend is the
+    InferencePool (group and kind as the Gateway API Inference Extension names them) or, without
+    the pool, the Service's port. The Gateway API CRDs are not vendored: checked here by shape."""
+    assert "HTTPRoute" not in by_kind(render(EVERYTHING))  # off by default
+    gateway = [{"name": "inference-gateway", "namespace": "gw"}]
+    route_values = {"enabled": True, "parentRefs": gateway, "hostnames": ["llm.example"]}
+    docs = by_kind(render({**EVERYTHING, "httpRoute": route_values}))
+    route = docs["HTTPRoute"]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] == gateway and route["spec"]["hostnames"] == ["llm.example"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    assert rule["backendRefs"] == [
+        {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": docs["InferencePool"]["metadata"]["name"],
+        }
+    ]
+    assert rule["timeouts"] == {"request": "300s"}
+    plain = by_kind(render({"httpRoute": {**route_values, "timeout": ""}}))
+    (rule,) = plain["HTTPRoute"]["spec"]["rules"]
+    assert rule["backendRefs"] == [{"name": plain["Service"]["metadata"]["name"], "port": 8000}]
+    assert "timeouts" not in rule
+    with pytest.raises(helm.HelmError, match="parentRefs"):
+        render({"httpRoute": {"enabled": True}})
 
 
 def test_the_hpa_metric_is_what_the_adapter_rules_serve_and_specd_exports():

@@ -139,3 +139,12 @@ def test_compose_empty_api_key_leaves_the_config_files_keys():
 def test_image_script_parses():
     r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "test_image.sh")], check=False)
     assert r.returncode == 0
+
+
+def test_every_specd_command_in_the_image_finds_its_config():
+    """The image installs specd into site-packages (no configs/ beside it): SPECD_CONFIG names
+    the config for serve, prepare and generate alike (server/cli.py config_file), and the
+    working directory /app holds configs/default.yaml, the fallback without it."""
+    assert 'CMD ["specd", "serve"]' in DOCKERFILE  # no --config: SPECD_CONFIG is read by specd
+    assert "SPECD_CONFIG=/app/configs/default.yaml" in DOCKERFILE
+    assert "WORKDIR /app" in DOCKERFILE and "COPY configs configs" in DOCKERFILE

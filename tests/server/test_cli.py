@@ -274,3 +274,48 @@ def test_an_empty_environment_variable_is_not_set(monkeypatch):
     cfg = cli._config(parse([]))
     assert cfg.drafter.method == default.drafter.method
     assert cfg.max_running == default.max_running and cfg.model.source == default.model.source
+
+
+def parsed(cmd: str, argv: list[str]) -> argparse.Namespace:
+    """``cmd``'s arguments as main() resolves them (the command itself not run)."""
+    seen = {}
+    name = f"cmd_{cmd}"
+    real = getattr(cli, name)
+    setattr(cli, name, lambda args: seen.setdefault("args", args) and 0)
+    try:
+        cli.main([cmd, *argv])
+    finally:
+        setattr(cli, name, real)
+    return seen["args"]
+
+
+@pytest.mark.parametrize("cmd", ["serve", "prepare", "generate"])
+def test_the_config_file_is_the_flag_then_specd_config_then_the_default(monkeypatch, tmp_path, cmd):
+    """An installed package (the image) has no configs/ beside it in site-packages: the
+    default is then the working directory's configs/default.yaml (the image's /app), and
+    SPECD_CONFIG names another for every command, not only the image's CMD."""
+    prompt = ["hi"] if cmd == "generate" else []
+    monkeypatch.delenv("SPECD_CONFIG", raising=False)
+    assert parsed(cmd, prompt).config == str(cli.DEFAULT_CONFIG)
+    own = tmp_path / "own.yaml"
+    own.write_text(cli.DEFAULT_CONFIG.read_text().replace("max_running:", "max_running: 3 #"))
+    monkeypatch.setenv("SPECD_CONFIG", str(own))
+    args = parsed(cmd, prompt)
+    assert args.config == str(own) and cli._config(args).max_running == 3
+    assert parsed(cmd, ["--config", str(cli.DEFAULT_CONFIG), *prompt]).config == str(
+        cli.DEFAULT_CONFIG
+    )
+    monkeypatch.setenv("SPECD_CONFIG", "")  # compose's ${SPECD_CONFIG:-}: not set
+    assert parsed(cmd, prompt).config == str(cli.DEFAULT_CONFIG)
+
+    monkeypatch.delenv("SPECD_CONFIG")
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG", tmp_path / "site-packages" / "configs" / "x.yaml")
+    app = tmp_path / "app" / "configs"
+    app.mkdir(parents=True)
+    (app / "default.yaml").write_text(own.read_text())
+    monkeypatch.chdir(app.parent)
+    args = parsed(cmd, prompt)
+    assert args.config == str(app / "default.yaml") and cli._config(args).max_running == 3
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="SPECD_CONFIG"):
+        parsed(cmd, prompt)
