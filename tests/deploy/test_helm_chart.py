@@ -297,6 +297,16 @@ def test_an_http_route_sends_the_gateways_traffic_to_the_pool_or_the_service():
         render({"httpRoute": {"enabled": True}})
 
 
+def test_the_notes_say_the_pool_needs_a_picker_the_chart_does_not_deploy():
+    def notes(values):
+        out = helm.Chart.load(str(CHART)).render(values, name="demo", namespace="llm")
+        return next(text for path, text in out.items() if path.endswith("NOTES.txt"))
+
+    assert "endpoint picker" not in notes({})
+    text = notes({"inferencePool": {"enabled": True}})
+    assert "demo-specd-epp port 9002" in text and "NOT deployed by this chart" in text
+
+
 def test_the_hpa_metric_is_what_the_adapter_rules_serve_and_specd_exports():
     from server.metrics import Metrics
 
