@@ -15,6 +15,7 @@ from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.head import load_head
 from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.model import check_same_vocab
+from engine.drafters.suffix import SuffixDrafter
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK, KController
 from engine.model import invariant
@@ -196,6 +197,15 @@ def make_drafter(
         return None
     if d.method == "ngram":
         return NgramDrafter(runner.device, d.ngram_min, d.ngram_max)
+    if d.method == "suffix":
+        return SuffixDrafter(
+            runner.device,
+            d.suffix_max_tree_depth,
+            d.suffix_max_cached_requests,
+            d.suffix_max_spec_factor,
+            d.suffix_min_token_prob,
+            d.suffix_max_cached_tokens,
+        )
     if d.method in ("self", "layers"):
         layers = d.num_layers if d.method == "layers" else None
         if d.method == "layers" and not layers:
@@ -251,7 +261,7 @@ def make_drafter(
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
         return drafter
     raise ValueError(
-        f"unknown drafter method {d.method!r} (eagle3, ngram, model, self, layers, none)"
+        f"unknown drafter method {d.method!r} (eagle3, ngram, suffix, model, self, layers, none)"
     )
 
 

@@ -42,7 +42,9 @@ class ModelConfig:
 @dataclass
 class DrafterConfig:
     # eagle3: an EAGLE-3 head over the target's features (``source``: its folder) |
-    # ngram: prompt lookup, no model | model: a separate draft model (``source``) |
+    # ngram: prompt lookup, no model | suffix: suffix decoding over the request's own text and
+    # recent requests' outputs, no model (drafters/suffix.py) | model: a separate draft model
+    # (``source``) |
     # self: the target as its own draft | layers: the target's first ``num_layers`` layers |
     # none: plain decoding
     method: str = "ngram"
@@ -51,6 +53,14 @@ class DrafterConfig:
     num_layers: int | None = None
     ngram_min: int = 1
     ngram_max: int = 3
+    # suffix: the longest match weighed (tokens), the requests and tokens the shared index of
+    # recent outputs keeps (either 0: own text only), tokens drafted per matched token, and the
+    # least estimated chance that a draft is right so far that it continues at
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 1000
+    suffix_max_cached_tokens: int = 100_000
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
     # eagle3 only: rows whose last ``ngram_fallback`` (.. ngram_max) tokens occurred before copy
     # what followed them instead of asking the head (drafters/hybrid.py); 0 = the head only
     ngram_fallback: int = 0

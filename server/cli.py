@@ -2,7 +2,7 @@
     specd - an OpenAI-compatible inference server with lossless speculative decoding
 
 SYNOPSIS
-    specd serve [MODEL] [--drafter eagle[:PATH]|ngram|model:PATH|none] [--k-max N]
+    specd serve [MODEL] [--drafter eagle[:PATH]|ngram|suffix|model:PATH|none] [--k-max N]
                 [--max-model-len N] [--max-running N] [--dtype D] [--device D]
                 [--speculative-config JSON] [--chat-template FILE|TEMPLATE]
                 [--host H] [--port P] [--api-key K] [--served-model-name NAME...]
@@ -84,12 +84,22 @@ def config_file(given: str | None) -> str:
     )
 
 
+# vLLM's suffix decoding knobs (``suffix_decoding_<key>``) -> specd's drafter fields, with the
+# type each takes; max_cached_tokens is specd's own (the shared index's token bound)
+SUFFIX_KEYS = {
+    "max_tree_depth": ("suffix_max_tree_depth", int),
+    "max_cached_requests": ("suffix_max_cached_requests", int),
+    "max_cached_tokens": ("suffix_max_cached_tokens", int),
+    "max_spec_factor": ("suffix_max_spec_factor", float),
+    "min_token_prob": ("suffix_min_token_prob", float),
+}
 SPECULATIVE_KEYS = {
     "method",
     "model",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
+    *(f"suffix_decoding_{k}" for k in SUFFIX_KEYS),
 }
 # vLLM's --dtype names for specd's (auto: the model's own, the config's here)
 DTYPES = {"auto": None, "half": "float16", "float": "float32"}
@@ -126,11 +136,12 @@ def _env_or(args, name: str):
     return value if value is not None else (os.environ.get(f"SPECD_{name.upper()}") or None)
 
 
-def speculative_config(text: str) -> tuple[str, int | None, tuple[int, int] | None]:
+def speculative_config(text: str) -> tuple[str, int | None, dict[str, object]]:
     """vLLM's ``--speculative-config`` JSON as specd's drafter: (the ``--drafter`` value,
-    ``num_speculative_tokens`` as K_max or None, the n-gram sizes or None). Methods: eagle3 /
+    ``num_speculative_tokens`` as K_max or None, the drafter fields it sets). Methods: eagle3 /
     eagle (``model``: the head's folder; none: the default head), ngram
-    (``prompt_lookup_min`` / ``_max``), draft_model or a bare ``model`` (a draft model)."""
+    (``prompt_lookup_min`` / ``_max``), suffix (``suffix_decoding_*``: :data:`SUFFIX_KEYS`),
+    draft_model or a bare ``model`` (a draft model)."""
     import json
 
     try:
@@ -147,16 +158,32 @@ def speculative_config(text: str) -> tuple[str, int | None, tuple[int, int] | No
     method, model, k = d.get("method"), d.get("model"), d.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or k < 0):
         raise SystemExit(f"specd: num_speculative_tokens must be an integer >= 0, not {k!r}")
+    suffix = {
+        key: d[f"suffix_decoding_{key}"] for key in SUFFIX_KEYS if f"suffix_decoding_{key}" in d
+    }
+    if suffix and method != "suffix":
+        raise SystemExit("specd: --speculative-config suffix_decoding_* keys need method 'suffix'")
     if method in ("eagle3", "eagle"):
-        return (f"eagle:{model}" if model else "eagle"), k, None
+        return (f"eagle:{model}" if model else "eagle"), k, {}
     if method == "ngram":
         lo, hi = d.get("prompt_lookup_min", 1), d.get("prompt_lookup_max", 3)
-        return "ngram", k, (int(lo), int(hi))
+        return "ngram", k, {"ngram_min": int(lo), "ngram_max": int(hi)}
+    if method == "suffix":
+        fields: dict[str, object] = {}
+        for key, value in suffix.items():
+            name, cast = SUFFIX_KEYS[key]
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SystemExit(
+                    f"specd: --speculative-config suffix_decoding_{key} must be a number, "
+                    f"not {value!r}"
+                )
+            fields[name] = cast(value)
+        return "suffix", k, fields
     if method in (None, "draft_model") and model:
-        return f"model:{model}", k, None
+        return f"model:{model}", k, {}
     raise SystemExit(
         f"specd: --speculative-config method {method!r} is not one specd serves "
-        "(eagle3, eagle, ngram, draft_model with a model)"
+        "(eagle3, eagle, ngram, suffix, draft_model with a model)"
     )
 
 
@@ -194,9 +221,9 @@ def _config(args):
     if spec := _env_or(args, "speculative_config"):
         if drafter:
             raise SystemExit("specd: --speculative-config and --drafter both name the drafter")
-        drafter, spec_k, lookup = speculative_config(spec)
-        if lookup is not None:
-            cfg.drafter.ngram_min, cfg.drafter.ngram_max = lookup
+        drafter, spec_k, fields = speculative_config(spec)
+        for name, value in fields.items():
+            setattr(cfg.drafter, name, value)
     if other_model and not drafter and cfg.drafter.method == "eagle3":
         # the config's EAGLE-3 head reads its own target's hidden states: another model
         # speculates with n-gram prompt lookup unless --drafter names a head for it
@@ -209,7 +236,7 @@ def _config(args):
     if drafter:
         method, _, source = drafter.partition(":")
         method = {"eagle": "eagle3"}.get(method, method)
-        if method not in ("eagle3", "ngram", "model", "self", "none"):
+        if method not in ("eagle3", "ngram", "suffix", "model", "self", "none"):
             raise SystemExit(f"specd: unknown --drafter {drafter!r}")
         if method == "model" and not source:
             raise SystemExit("specd: --drafter model:PATH needs the draft model's PATH")
@@ -408,15 +435,17 @@ def main(argv: list[str] | None = None) -> int:
                 "--speculative-config",
                 metavar="JSON",
                 help='vLLM\'s form of --drafter and --k-max: {"method": "eagle3", "model": PATH, '
-                '"num_speculative_tokens": K}, or "ngram" (prompt_lookup_min / _max), or '
-                '"draft_model" (env SPECD_SPECULATIVE_CONFIG)',
+                '"num_speculative_tokens": K}, or "ngram" (prompt_lookup_min / _max), or "suffix" '
+                "(suffix_decoding_max_tree_depth, _max_cached_requests, _max_spec_factor, "
+                '_min_token_prob), or "draft_model" (env SPECD_SPECULATIVE_CONFIG)',
             )
             p.add_argument(
                 "--drafter",
-                metavar="eagle[:PATH]|ngram|model:PATH|none",
+                metavar="eagle[:PATH]|ngram|suffix|model:PATH|none",
                 help="what drafts: an EAGLE-3 head (default PATH: SmolLM2's, "
-                "models/smollm2-135m-eagle3), prompt lookup, a draft model sharing the "
-                "tokenizer, or none (env SPECD_DRAFTER)",
+                "models/smollm2-135m-eagle3), prompt lookup, suffix decoding (the request's "
+                "text and recent outputs), a draft model sharing the tokenizer, or none "
+                "(env SPECD_DRAFTER)",
             )
             p.add_argument("--k-max", type=int, help="largest draft length K (env SPECD_K_MAX)")
             p.add_argument(

@@ -170,7 +170,7 @@ def _spec(req: _Sampling, s: ServerSettings, capacity: EngineCapacity) -> SpecPa
     if o is None:  # the engine's controller chooses K (adaptive by default), at most the cap
         return SpecParams(enabled=capacity.drafter != "none", k=None, k_max=cap)
     if o.method is not None:  # the config's name, or "draft" for any model-based drafter
-        model_based = capacity.drafter not in ("ngram", "none")
+        model_based = capacity.drafter not in ("ngram", "suffix", "none")
         named = o.method == capacity.drafter or (o.method == "draft" and model_based)
         if capacity.drafter == "none" or not named:
             raise bad(

@@ -44,7 +44,7 @@ class SpeculationOptions(_Req):
     """specd extension (send through ``extra_body``): per-request speculation settings."""
 
     enabled: bool | None = None
-    method: Literal["ngram", "draft", "eagle3", "model", "self", "layers"] | None = None
+    method: Literal["ngram", "suffix", "draft", "eagle3", "model", "self", "layers"] | None = None
     k: int | None = Field(None, ge=0)
     k_max: int | None = Field(None, ge=0)
 

@@ -153,13 +153,14 @@ def engine_for(
     e.g. a bf16 draft of an fp32 target), ``"layers"`` (the target's first ``num_layers``
     layers), ``"eagle3"`` (the EAGLE-3 ``head`` over the target's features; ``"eagle3+ngram"``:
     with the n-gram fallback of drafters/hybrid.py, as configs/default.yaml ships it),
-    ``"ngram"``, or None / ``"none"`` (plain decoding). ``controller``: default the one the
+    ``"ngram"``, ``"suffix"`` (configs/default.yaml's suffix settings: the shared index of recent
+    outputs on), or None / ``"none"`` (plain decoding). ``controller``: default the one the
     builder makes for the drafter (adaptive K)."""
     target, draft = models if isinstance(models, tuple | list) else (models, None)
     method = "none" if drafter is None else drafter
     if method == "eagle3+ngram":
         method = "eagle3"
-    if method not in ("none", "ngram", "model", "self", "layers", "eagle3"):
+    if method not in ("none", "ngram", "suffix", "model", "self", "layers", "eagle3"):
         raise ValueError(f"unknown drafter {drafter!r}")
     if method == "model" and draft is None:
         raise ValueError("drafter 'model' needs a (target, draft) pair")

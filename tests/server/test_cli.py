@@ -2,6 +2,7 @@
 also from its SPECD_* environment variable (flag > environment > config file)."""
 
 import argparse
+import json
 
 import pytest
 
@@ -107,12 +108,25 @@ def test_deterministic_flag_and_environment(monkeypatch):
         cli._config(parse([]))
 
 
+SUFFIX_SPEC = json.dumps(
+    {
+        "method": "suffix",
+        "num_speculative_tokens": 6,
+        "suffix_decoding_max_tree_depth": 16,
+        "suffix_decoding_max_cached_requests": 50,
+        "suffix_decoding_max_spec_factor": 2,
+        "suffix_decoding_min_token_prob": 0.2,
+    }
+)
+
+
 @pytest.mark.parametrize(
     "spec,drafter,k_max",
     [
         ('{"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 4}', "eagle3", 4),
         ('{"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}', "ngram", None),
         ('{"model": "/models/draft", "num_speculative_tokens": 3}', "model", 3),
+        (SUFFIX_SPEC, "suffix", 6),
     ],
 )
 def test_a_vllm_speculative_config_names_the_same_drafter(monkeypatch, spec, drafter, k_max):
@@ -124,17 +138,32 @@ def test_a_vllm_speculative_config_names_the_same_drafter(monkeypatch, spec, dra
         "eagle3": ["--drafter", "eagle:/heads/h", "--k-max", "4"],
         "ngram": ["--drafter", "ngram"],
         "model": ["--drafter", "model:/models/draft", "--k-max", "3"],
+        "suffix": ["--drafter", "suffix", "--k-max", "6"],
     }[drafter]
     want = cli._config(parse(equivalent))
     assert (cfg.drafter.method, cfg.drafter.source) == (want.drafter.method, want.drafter.source)
     assert cfg.drafter.k_max == want.drafter.k_max == (k_max or want.drafter.k_max)
     if drafter == "ngram":
         assert (cfg.drafter.ngram_min, cfg.drafter.ngram_max) == (2, 5)
+    if drafter == "suffix":
+        d = cfg.drafter
+        knobs = (d.suffix_max_tree_depth, d.suffix_max_cached_requests, d.suffix_max_spec_factor)
+        assert knobs + (d.suffix_min_token_prob,) == (16, 50, 2.0, 0.2)
+        assert isinstance(d.suffix_max_spec_factor, float)
     with pytest.raises(SystemExit, match="both name the drafter"):
         cli._config(parse(["--speculative-config", spec, "--drafter", "ngram"]))
 
 
-@pytest.mark.parametrize("bad", ["not json", '{"method": "medusa"}', "[1]"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        '{"method": "medusa"}',
+        "[1]",
+        '{"method": "ngram", "suffix_decoding_max_tree_depth": 8}',
+        '{"method": "suffix", "suffix_decoding_min_token_prob": "high"}',
+    ],
+)
 def test_a_speculative_config_specd_cannot_serve_is_refused(bad):
     with pytest.raises(SystemExit, match="speculative-config"):
         cli._config(parse(["--speculative-config", bad]))

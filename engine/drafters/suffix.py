@@ -1,0 +1,158 @@
+"""Suffix decoding: no model, drafts by copying what followed the row's longest repeated suffix,
+in its own prompt + output or in the output of other requests, the most frequent way.
+
+Two indexes (engine/drafters/suffix_index.py) answer each row:
+
+* its own: the request's prompt and every token it has committed, built when the row first
+  drafts and extended each round after acceptance (``commit``), freed at ``remove``;
+* the shared one: the outputs of recent requests (running ones included, as they are
+  committed), kept after a request ends so that a later request that repeats an earlier answer
+  (an edit, a retry, an agent's next step) drafts it; bounded by request count and tokens,
+  least recently used first out.
+
+Each index gives the continuation of the longest match of the row's last tokens (up to
+``max_depth``), token by token the most frequent one while the product of their empirical
+probabilities stays at least ``min_token_prob``, and at most ``max_spec_factor`` tokens per
+matched token (a long match is trusted further) and the K asked. The draft with the larger
+expected number of accepted tokens wins. A copy is deterministic: its q is one-hot, as
+n-gram's, and the rejection rule keeps the output the target's whatever was copied.
+
+A seeded sampled request drafts from its own index only: its draws follow its drafts, so a
+draft that depended on other traffic would make its output depend on that traffic too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.ngram import grammar_prefix
+from engine.drafters.suffix_index import NO_DRAFT, Draft, SuffixIndex
+from engine.records.plan import RoundPlan
+from engine.records.sequence import Sequence
+from engine.transfer import to_device
+
+
+@dataclass
+class _Row:
+    """One sequence's state: its own index (None until it first drafts) and its text in the
+    shared index (its output since it was added)."""
+
+    seq: Sequence
+    own: SuffixIndex | None
+    filed: int  # tokens of the sequence in ``own``
+    shared: int  # its text's id in the shared index (-1: none)
+    shared_filed: int  # output tokens filed in the shared index
+
+
+class SuffixDrafter(DrafterBase):
+    name = "suffix"
+    samples = False
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        max_depth: int = 24,
+        max_cached_requests: int = 1000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_cached_tokens: int = 100_000,
+    ):
+        if max_depth < 1:
+            raise ValueError("suffix max_tree_depth is at least 1")
+        if max_cached_requests < 0 or max_cached_tokens < 0:
+            raise ValueError("suffix cache sizes are at least 0 (0: no shared index)")
+        if max_spec_factor <= 0 or not 0 <= min_token_prob <= 1:
+            raise ValueError("need suffix max_spec_factor > 0 and 0 <= min_token_prob <= 1")
+        self.device = torch.device(device)
+        self.max_depth, self.spec_factor, self.min_prob = max_depth, max_spec_factor, min_token_prob
+        self.shared: SuffixIndex | None = None
+        if max_cached_requests and max_cached_tokens:
+            self.shared = SuffixIndex(max_cached_requests, max_cached_tokens)
+        self.rows: dict[int, _Row] = {}  # id(seq) -> its state
+        # rows drafted from each index, for tests, benchmarks and the hybrid's share
+        self.own_drafts = 0
+        self.shared_drafts = 0
+        self.last_sources: list[str] = []  # the last proposal's: "own", "shared" or ""
+
+    def steps(self, width: int) -> int:
+        return 1 if width > 0 else 0  # one lookup, whatever the length
+
+    def _row(self, seq: Sequence) -> _Row:
+        row = self.rows.get(id(seq))
+        if row is None or row.seq is not seq:
+            n = len(seq.output_ids)
+            tid = self.shared.open() if self.shared is not None else -1
+            row = self.rows[id(seq)] = _Row(seq, None, 0, tid, n)
+        return row
+
+    def _sync_shared(self, row: _Row) -> None:
+        out = row.seq.output_ids
+        if self.shared is not None and row.shared_filed < len(out):
+            if self.shared.text_of(row.shared) is None:  # pushed out while running: a new text
+                row.shared = self.shared.open()
+            self.shared.extend(row.shared, out[row.shared_filed :])
+            row.shared_filed = len(out)
+
+    def _sync_own(self, row: _Row) -> SuffixIndex:
+        seq, own = row.seq, row.own
+        if own is None:
+            own = row.own = SuffixIndex()
+            own.open()
+        n = seq.num_tokens
+        if row.filed < n:
+            own.extend(0, seq.token_array()[row.filed : n].tolist())
+            row.filed = n
+        return own
+
+    def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
+        for s in seqs:
+            row = self._row(s)
+            if not lazy:  # the prompt filed now, not in the first drafting round
+                self._sync_own(row)
+
+    def commit(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            row = self._row(s)
+            self._sync_shared(row)
+            if row.own is not None:
+                self._sync_own(row)
+
+    def remove(self, seq: Sequence) -> None:
+        """Its own index is freed; its output stays in the shared index (until the bounds push
+        it out)."""
+        row = self.rows.pop(id(seq), None)
+        if row is not None and row.seq is seq:
+            self._sync_shared(row)
+
+    def draft(self, seq: Sequence, k: int) -> tuple[Draft, str]:
+        """Row ``seq``'s best draft of at most ``k`` tokens and the index it came from ("own",
+        "shared"; "" with no draft)."""
+        if k <= 0:
+            return NO_DRAFT, ""
+        row = self._row(seq)
+        self._sync_shared(row)
+        own = self._sync_own(row)
+        context = own.texts[0]
+        best, source = own.draft(context, k, self.max_depth, self.spec_factor, self.min_prob), "own"
+        reproducible = seq.generator is not None and not seq.params.greedy
+        if self.shared is not None and not reproducible:
+            other = self.shared.draft(
+                context, k, self.max_depth, self.spec_factor, self.min_prob, exclude=row.shared
+            )
+            if other.score > best.score:
+                best, source = other, "shared"
+        return best, (source if best.tokens else "")
+
+    def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
+        found = [self.draft(s, k) for s, k in zip(seqs, plan.ks)]
+        self.last_sources = [src for _, src in found]
+        self.own_drafts += self.last_sources.count("own")
+        self.shared_drafts += self.last_sources.count("shared")
+        drafts = grammar_prefix(seqs, [d.tokens for d, _ in found])
+        width = max([len(d) for d in drafts] + [0])
+        padded = [d + [0] * (width - len(d)) for d in drafts]
+        tokens = to_device(padded, torch.long, self.device).reshape(len(seqs), width)
+        return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None)

@@ -1,0 +1,261 @@
+"""The suffix drafter (engine/drafters/suffix.py) and its index (engine/drafters/suffix_index.py):
+what it matches and counts, its memory bounds under a storm of requests, and drafts that come
+from another request's output -- through the drafter and through the engine."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.drafters.suffix import SuffixDrafter
+from engine.drafters.suffix_index import COMPACT_FLOOR, SuffixIndex, matched
+from engine.kcontrol.controller import FixedK
+from engine.records.params import SamplingParams, SpecParams
+from engine.records.sequence import Sequence
+from tests import helpers
+
+DEPTH = 24
+
+
+def own(tokens):
+    ix = SuffixIndex()
+    ix.extend(ix.open(), list(tokens))
+    return ix
+
+
+def draft(tokens, k, factor=8.0, min_prob=0.0, depth=DEPTH):
+    ix = own(tokens)
+    return ix.draft(ix.texts[0], k, depth, factor, min_prob)
+
+
+def seq(prompt, output=(), seed=None, temperature=0.0):
+    params = SamplingParams(temperature=temperature, seed=seed)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return Sequence("r", list(prompt), params, SpecParams(), gen, output_ids=list(output))
+
+
+def ask(drafter, seqs, k):
+    prop = drafter.propose(seqs, SimpleNamespace(ks=[k] * len(seqs)))
+    assert prop.probs is None  # a copy: q one-hot
+    return [row[:n] for row, n in zip(prop.tokens.tolist(), prop.num)]
+
+
+def finish(drafter, prompt, output):
+    """A request through ``drafter``: added, its output committed, removed."""
+    s = seq(prompt)
+    drafter.add([s])
+    s.append(list(output))
+    drafter.commit([s])
+    drafter.remove(s)
+
+
+# -- the index: matches and counts -----------------------------------------------------------------
+def test_copies_what_followed_the_longest_match():
+    #      0  1  2  3  4  5  6  7  (the context ends in 2 3: earlier at 1-2 -> 4 5 9)
+    d = draft([1, 2, 3, 4, 5, 9, 2, 3], 3)
+    assert (d.tokens, d.match, d.probs) == ([4, 5, 9], 2, [1.0, 1.0, 1.0])
+    # the longer match (7 8 1, once) wins over the more frequent shorter one (8 1, twice more)
+    d = draft([7, 8, 1, 5, 0, 8, 1, 6, 0, 8, 1, 6, 7, 8, 1], 1)
+    assert (d.tokens, d.match) == ([5], 3)
+
+
+def test_the_most_frequent_continuation_with_its_share():
+    # 4 follows [1, 2] three times, 9 once: 4 with 3/4; then 5 after all three of those
+    d = draft([1, 2, 4, 5, 1, 2, 9, 0, 1, 2, 4, 5, 3, 1, 2, 4, 5, 6, 1, 2], 2)
+    assert d.tokens == [4, 5] and d.match == 2 and d.sources == 4
+    assert d.probs == pytest.approx([0.75, 0.75])
+    # min_token_prob stops a draft whose running probability falls below it
+    toks = [1, 2, 4, 5, 1, 2, 4, 6, 1, 2, 4, 5, 1, 2, 4, 7, 1, 2]  # 4, then 5 / 6 / 7 (2:1:1)
+    assert draft(toks, 3, min_prob=0.0).probs == pytest.approx([1.0, 0.5, 0.5])  # 4 5 1
+    assert draft(toks, 3, min_prob=0.6).tokens == [4]  # 4 (1.0), 5 at 0.5 < 0.6
+    assert draft(toks, 3, min_prob=0.5).tokens == [4, 5, 1]
+
+
+def test_length_follows_the_match_and_the_k_asked():
+    toks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]  # matches 3 1 4 (length 3), then 1 5 9 2 ...
+    assert draft(toks, 8, factor=1.0).tokens == [1, 5, 9]  # 1 token per matched token
+    assert draft(toks, 8, factor=2.0).tokens == [1, 5, 9, 2, 6, 5]
+    assert draft(toks, 2, factor=2.0).tokens == [1, 5]  # never past the K asked
+    assert draft(toks, 8, factor=0.1).tokens == [1]  # at least one
+    assert draft(toks, 0).tokens == []
+    assert draft([1, 2, 3, 4], 3).tokens == []  # the last token never occurred before
+    assert draft([5], 3).tokens == []
+
+
+def reference(text, k, depth, factor, min_prob):
+    """The rule written out, by brute force: every earlier position with a continuation, its
+    match with the text's end; the longest; then token by token the most frequent next token
+    (ties: the most recent occurrence's) while the running share stays >= min_prob."""
+    n = len(text)
+    ms = {p: matched(text, p, text, depth) for p in range(1, n)}
+    best = max(ms.values(), default=0)
+    if best == 0:
+        return []
+    occ = sorted((p for p, m in ms.items() if m == best), reverse=True)
+    out, cum = [], 1.0
+    for j in range(min(k, max(1, int(factor * best)))):
+        votes = {}
+        for p in occ:
+            if p + j < n:
+                votes[text[p + j]] = votes.get(text[p + j], 0) + 1
+        if not votes:
+            break
+        tok = max(votes, key=votes.__getitem__)
+        if cum * votes[tok] / len(occ) < min_prob:
+            break
+        cum *= votes[tok] / len(occ)
+        out.append(tok)
+        occ = [p for p in occ if p + j < n and text[p + j] == tok]
+    return out
+
+
+def test_random_texts_follow_the_rule_written_out():
+    """Small vocabularies (many repeats, many ties) and every depth / factor / threshold: the
+    index's draft is the brute-force rule's, and the anchors' shortcut loses no match."""
+    rng = random.Random(0)
+    drafted = 0
+    for _ in range(600):
+        vocab = rng.choice([2, 3, 5])
+        text = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        k, depth = rng.randrange(0, 9), rng.choice([1, 3, 24])
+        factor, min_prob = rng.choice([0.5, 1.0, 3.0]), rng.choice([0.0, 0.1, 0.4])
+        got = draft(text, k, factor, min_prob, depth).tokens
+        assert got == reference(text, k, depth, factor, min_prob), (text, k, depth)
+        drafted += bool(got)
+    assert drafted > 300
+
+
+# -- the bounds and the clean-up ---------------------------------------------------------------
+def test_a_storm_of_requests_stays_within_the_bounds():
+    """1,000 requests through the drafter, 3 at a time, each committed round by round and
+    removed: the shared index keeps at most its requests and tokens (the least recently used
+    pushed out), its n-gram lists at most about twice its live positions, and no request's own
+    state outlives it. The latest outputs still draft; one pushed out long ago no longer does."""
+    d = SuffixDrafter(max_cached_requests=50, max_cached_tokens=2000)
+    rng = random.Random(1)
+    shared = d.shared
+    assert shared is not None
+    first = None
+    running: list[Sequence] = []
+    for _ in range(1000):
+        s = seq([rng.randrange(1000) for _ in range(5)])
+        d.add([s])
+        running.append(s)
+        for r in running:  # a round: each running row commits a few tokens
+            r.append([rng.randrange(50_000) for _ in range(rng.randrange(1, 8))])
+        d.commit(running)
+        if len(running) == 3:
+            done = running.pop(0)
+            d.remove(done)
+            first = first or list(done.output_ids)
+        assert len(shared) <= 50 and shared.tokens <= 2000
+        filed = shared._filed  # entries a text of n tokens files
+        assert shared.live_entries == sum(filed(len(t)) for t in shared.texts.values())
+        assert shared.entries <= 2 * shared.live_entries + 4096
+    for r in running:
+        d.remove(r)
+    assert d.rows == {}
+    assert shared.evicted > 900
+    last = next(t for t in reversed(shared.texts.values()) if len(t) >= 4)
+    assert ask(d, [seq([7] + last[:2])], 4) == [last[2:4]]  # 2 matched: 2 drafted
+    assert first is not None and ask(d, [seq([7] + first[:2])], 4) == [[]]
+
+
+def test_dropped_texts_are_compacted_away():
+    ix = SuffixIndex()
+    ids = [ix.open() for _ in range(30)]
+    for t in ids:
+        ix.extend(t, list(range(t * 1000, t * 1000 + 400)))
+    before = ix.entries
+    for t in ids[:-1]:
+        ix.drop(t)
+    assert len(ix) == 1 and ix.tokens == 400
+    assert ix.entries < before / 10  # the dropped texts' entries rebuilt away ...
+    assert ix.entries <= 2 * ix.live_entries + COMPACT_FLOOR  # ... whenever they outnumber
+    assert len(ix.grams) <= ix.entries
+    assert ix.draft([5, 1000 * ids[0] + 7], 3, DEPTH, 8.0, 0.0).tokens == []  # dropped: gone
+    last = 1000 * ids[-1]
+    assert ix.draft([5, last + 7], 3, DEPTH, 8.0, 0.0).tokens == [last + 8, last + 9, last + 10]
+
+
+def test_a_text_longer_than_the_token_bound_keeps_its_start():
+    ix = SuffixIndex(max_texts=4, max_tokens=10)
+    a = ix.open()
+    ix.extend(a, list(range(25)))
+    assert ix.tokens == 10 and ix.texts[a] == list(range(10))
+    b = ix.open()
+    ix.extend(b, [1, 2, 3])
+    assert a not in ix.texts and ix.tokens == 3  # the older text went to make room
+
+
+# -- drafts from another request ------------------------------------------------------------------
+def test_a_request_drafts_what_an_earlier_request_wrote():
+    """A's output is committed and A removed; B's prompt does not hold it, but B's text ends in
+    its start: B drafts A's continuation, from the shared index. With the shared index off (no
+    cached requests) B drafts nothing, and a seeded sampled B (whose draws follow its drafts)
+    does not read other requests' outputs."""
+    answer = [50, 51, 52, 53, 54, 55, 56, 57]
+
+    def after_a(cached):
+        d = SuffixDrafter(max_cached_requests=cached, max_spec_factor=2.0)
+        a = seq([1, 2, 3])
+        d.add([a])
+        for i in range(0, len(answer), 2):  # committed two tokens a round
+            a.append(answer[i : i + 2])
+            d.commit([a])
+        d.remove(a)
+        return d
+
+    for cached, want in ((1000, [answer[3:8]]), (0, [[]])):
+        d = after_a(cached)
+        b = seq([9, 9, 8], output=answer[:3])  # B's own text: 9 9 8 50 51 52
+        d.add([b])
+        assert ask(d, [b], 5) == want
+        assert d.last_sources == (["shared"] if cached else [""])
+    seeded = seq([9, 9, 8], output=answer[:3], seed=3, temperature=0.8)
+    greedy = seq([9, 9, 8], output=answer[:3], seed=3)  # greedy: the seed draws nothing
+    unseeded = seq([9, 9, 8], output=answer[:3], temperature=0.8)
+    assert ask(after_a(1000), [seeded, greedy, unseeded], 5) == [[], answer[3:8], answer[3:8]]
+
+
+def test_its_own_text_beats_a_weaker_shared_match():
+    d = SuffixDrafter(max_spec_factor=4.0)
+    finish(d, [1], [20, 21, 30, 31])
+    b = seq([5, 6, 7, 20, 21, 40, 41, 5, 6, 7, 20], output=[21])  # own: 5 6 7 20 21 -> 40 41
+    assert ask(d, [b], 2) == [[40, 41]] and d.last_sources == ["own"]
+    c = seq([9, 20], output=[21])  # only the shared index has 20 21 before
+    assert ask(d, [c], 2) == [[30, 31]] and d.last_sources == ["shared"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return helpers.tiny_llama(5, vocab=48)
+
+
+def test_through_the_engine_b_copies_a_and_stays_exact(target):
+    """Greedy requests A then B with the same prompt (B's prompt does not hold A's output, its
+    own output repeats it): output equals plain decoding, and B's drafts came from A's output
+    -- the shared index drafted B's rows, and B took more tokens per pass than A did. With the
+    shared index off, B drafts only from its own text and gains nothing from A."""
+    prompt = [3, 17, 40, 8, 22, 5, 31]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = helpers.engine_for(target, None).generate([prompt], params)[0].output_ids
+    runs = {}
+    for cached in (1000, 0):
+        engine = helpers.engine_for(target, "suffix", controller=FixedK(6))
+        engine.drafter.shared = None if cached == 0 else engine.drafter.shared
+        a = engine.generate([prompt], params, SpecParams(k=6))[0]
+        own_a = engine.drafter.own_drafts
+        b = engine.generate([prompt], params, SpecParams(k=6))[0]
+        assert a.output_ids == b.output_ids == plain
+        runs[cached] = (a, b, engine.drafter.shared_drafts, engine.drafter.own_drafts - own_a)
+    a, b, shared_rows, _ = runs[1000]
+    helpers.assert_speculated([b], can_reject=False)
+    assert shared_rows > 0 and b.accepted > a.accepted
+    assert b.target_passes < a.target_passes
+    assert b.accepted == b.drafted  # every copy of A's greedy output is the target's
+    a0, b0, shared0, _ = runs[0]
+    assert shared0 == 0 and b0.accepted == a0.accepted and b0.target_passes == a0.target_passes
