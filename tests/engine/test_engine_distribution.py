@@ -229,6 +229,7 @@ def test_the_pass_rule_on_exact_draws(models, joint):
         ("ngram", 1.0, 0, 1.0, N),
         ("ngram", 0.8, 0, 1.0, N_POWER),
         ("ngram", 0.8, 5, 1.0, N),
+        ("suffix", 0.8, 0, 1.0, N),  # seeded rows: its own index only
     ],
 )
 def test_sampled_speculation_matches_target_distribution(
@@ -243,10 +244,11 @@ def test_sampled_speculation_matches_target_distribution(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter,temperature", [("model", 1.0), ("ngram", 0.8)])
+@pytest.mark.parametrize("drafter,temperature", [("model", 1.0), ("ngram", 0.8), ("suffix", 0.8)])
 def test_adaptive_k_matches_target_distribution(models, joint, monkeypatch, drafter, temperature):
     """Unseeded requests under the adaptive controller (seeded ones pin K): K varies from round
-    to round. The engine's own random draws are made reproducible by fixing its seed source."""
+    to round. The engine's own random draws are made reproducible by fixing its seed source.
+    Suffix: unseeded rows also draft from the other requests' outputs (the shared index)."""
     monkeypatch.setattr(secrets, "randbits", random.Random(17).getrandbits)
     engine = engine_for(
         models,
@@ -264,6 +266,8 @@ def test_adaptive_k_matches_target_distribution(models, joint, monkeypatch, draf
     )
     assert_speculated(seqs, min_drafted=N // 5)
     assert len(set(ks)) >= 3  # K really varied from round to round
+    if drafter == "suffix":  # rows drafted from other requests' outputs
+        assert engine.drafter.shared_drafts > N // 10
     assert_fits(outputs(seqs), joint(temperature, 0, 1.0), f"adaptive {drafter} T={temperature}")
     assert engine.target.cache.used_tokens() == 0 and engine.target.cache.num_free() == SLOTS
 

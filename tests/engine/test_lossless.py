@@ -75,6 +75,35 @@ def test_ngram_drafter_is_lossless(real_fp32, prompts, reference):
     helpers.assert_speculated(seqs)
 
 
+def test_suffix_drafter_is_lossless(real_fp32, prompts, reference):
+    """One engine, the prompts one after another: each later request may draft from the
+    earlier ones' outputs (the shared index) as well as from its own text."""
+    engine = real_engine(real_fp32, "suffix")
+    seqs = run_each(engine, prompts, k=5)
+    assert_same(seqs, reference)
+    helpers.assert_speculated(seqs)
+    assert engine.drafter.own_drafts > 0 and engine.drafter.rows == {}
+
+
+def test_suffix_drafts_a_repeated_answer_from_the_earlier_request(real_fp32, prompts, reference):
+    """A then B, the same prompt (which does not hold A's answer): B's greedy answer is A's, so
+    B drafts it from A's output in the shared index and takes fewer target passes than A; with
+    the shared index off, B takes as many as A. Both exact."""
+    runs = {}
+    for shared in (True, False):
+        engine = real_engine(real_fp32, "suffix")
+        if not shared:
+            engine.drafter.shared = None
+        a, b = run_each(engine, [prompts[4], prompts[4]], k=7)
+        assert_same([a, b], [reference[4]] * 2)
+        runs[shared] = (a, b, engine.drafter.shared_drafts)
+    a, b, shared_rows = runs[True]
+    helpers.assert_speculated([b], can_reject=False)
+    assert shared_rows > 0 and b.target_passes < a.target_passes
+    a0, b0, shared0 = runs[False]
+    assert shared0 == 0 and b0.target_passes == a0.target_passes == a.target_passes
+
+
 def test_eagle_head_is_lossless_and_accepts(real_fp32, prompts, reference, head):
     """The shipped head, batch 1 at K = 4 (half the prompts: the CI's time), then all prompts
     as one ragged batch at K = 3."""
@@ -235,7 +264,8 @@ def test_bf16_draft_model_high_acceptance(real_fp32, prompts, reference):
 
 
 @pytest.mark.parametrize(
-    "method,extra,k", [("ngram", {}, 4), ("self", {}, 3), ("layers", {"num_layers": 15}, 2)]
+    "method,extra,k",
+    [("ngram", {}, 4), ("suffix", {}, 4), ("self", {}, 3), ("layers", {"num_layers": 15}, 2)],
 )
 def test_ragged_batch_is_lossless(real_fp32, prompts, reference, method, extra, k):
     engine = real_engine(real_fp32, method, **extra)
@@ -281,8 +311,10 @@ def test_kv_caches_equal_fresh_prefill_after_every_round(real_fp32, prompts):
     helpers.assert_speculated(seqs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "self"])
 def test_seeded_sampling_reproduces_and_seeds_differ(real_fp32, prompts, method):
+    """Suffix: the second run of a seed follows the first in the shared index, which a seeded
+    request does not read (its draws follow its drafts)."""
     engine = real_engine(real_fp32, method)
 
     def sample(seed):

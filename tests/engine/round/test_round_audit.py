@@ -62,6 +62,7 @@ TINY_PATHS = {  # id: (drafter, engine_for keywords, a drafter that can be wrong
     "layers": ("layers", {"num_layers": 1}, True),
     "bf16-self": ("self", {"draft_dtype": torch.bfloat16}, False),
     "ngram": ("ngram", {}, True),
+    "suffix": ("suffix", {}, True),
 }
 
 
