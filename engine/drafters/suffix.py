@@ -127,6 +127,12 @@ class SuffixDrafter(DrafterBase):
         if row is not None and row.seq is seq:
             self._sync_shared(row)
 
+    @staticmethod
+    def reads_shared(seq: Sequence) -> bool:
+        """Whether row ``seq`` may draft from other requests' outputs: not a seeded sampled
+        one, whose output must not depend on other traffic."""
+        return seq.generator is None or seq.params.greedy
+
     def draft(self, seq: Sequence, k: int) -> tuple[Draft, str]:
         """Row ``seq``'s best draft of at most ``k`` tokens and the index it came from ("own",
         "shared"; "" with no draft)."""
@@ -137,8 +143,7 @@ class SuffixDrafter(DrafterBase):
         own = self._sync_own(row)
         context = own.texts[0]
         best, source = own.draft(context, k, self.max_depth, self.spec_factor, self.min_prob), "own"
-        reproducible = seq.generator is not None and not seq.params.greedy
-        if self.shared is not None and not reproducible:
+        if self.shared is not None and self.reads_shared(seq):
             other = self.shared.draft(
                 context, k, self.max_depth, self.spec_factor, self.min_prob, exclude=row.shared
             )

@@ -259,3 +259,31 @@ def test_through_the_engine_b_copies_a_and_stays_exact(target):
     assert b.accepted == b.drafted  # every copy of A's greedy output is the target's
     a0, b0, shared0, _ = runs[0]
     assert shared0 == 0 and b0.accepted == a0.accepted and b0.target_passes == a0.target_passes
+
+
+def test_a_seeded_request_reproduces_whatever_traffic_came_before(monkeypatch):
+    """A seeded sampled request gives the same output on a fresh engine and on one whose shared
+    index holds other requests' outputs; the control: let it read the shared index and the
+    same request, after the same traffic, drafts from it and parts from its fresh output."""
+    prompt = [3, 17, 40, 8, 22, 5, 31]
+    target = helpers.tiny_llama(5, vocab=48, sharpen=4.0)  # sampled drafts that get accepted
+
+    def run(traffic, read_all=False):
+        if read_all:
+            monkeypatch.setattr(SuffixDrafter, "reads_shared", staticmethod(lambda s: True))
+        engine = helpers.engine_for(target, "suffix", controller=FixedK(4))
+        if traffic:  # greedy and unseeded answers to the same prompt
+            others = [SamplingParams(temperature=t, max_tokens=40) for t in (0, 1.0, 1.0, 0.7)]
+            engine.generate([prompt] * 4, others, SpecParams(k=4))
+        before = engine.drafter.shared_drafts
+        params = SamplingParams(temperature=1.0, max_tokens=40, seed=11)
+        s = engine.generate([prompt], params, SpecParams(k=4))[0]
+        monkeypatch.undo()
+        return s, engine.drafter.shared_drafts - before
+
+    fresh, _ = run(False)
+    after, copied = run(True)
+    assert copied == 0 and after.output_ids == fresh.output_ids
+    helpers.assert_speculated([fresh, after])
+    control, copied = run(True, read_all=True)
+    assert copied > 0 and control.output_ids != fresh.output_ids
