@@ -182,6 +182,18 @@ def use_inductor_cache(folder: Path) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
 
 
+def suffix_drafter(d, device: torch.device) -> SuffixDrafter:
+    """The suffix drafter of drafter config ``d`` (its ``suffix_*`` knobs)."""
+    return SuffixDrafter(
+        device,
+        d.suffix_max_tree_depth,
+        d.suffix_max_cached_requests,
+        d.suffix_max_spec_factor,
+        d.suffix_min_token_prob,
+        d.suffix_max_cached_tokens,
+    )
+
+
 def make_drafter(
     cfg: EngineConfig, model, tok, runner: ModelRunner, draft=None, head=None
 ) -> Drafter | None:
@@ -198,14 +210,7 @@ def make_drafter(
     if d.method == "ngram":
         return NgramDrafter(runner.device, d.ngram_min, d.ngram_max)
     if d.method == "suffix":
-        return SuffixDrafter(
-            runner.device,
-            d.suffix_max_tree_depth,
-            d.suffix_max_cached_requests,
-            d.suffix_max_spec_factor,
-            d.suffix_min_token_prob,
-            d.suffix_max_cached_tokens,
-        )
+        return suffix_drafter(d, runner.device)
     if d.method in ("self", "layers"):
         layers = d.num_layers if d.method == "layers" else None
         if d.method == "layers" and not layers:
@@ -257,7 +262,12 @@ def make_drafter(
             backend=backend,
             capture_kv_align=align,
         )
-        if d.ngram_fallback:
+        if d.ngram_fallback and d.suffix_fallback:
+            raise ValueError("drafter.ngram_fallback and drafter.suffix_fallback: one copier")
+        if d.suffix_fallback:
+            suffix = suffix_drafter(d, runner.device)
+            drafter = HybridDrafter(drafter, d.suffix_fallback, suffix=suffix)
+        elif d.ngram_fallback:
             drafter = HybridDrafter(drafter, d.ngram_fallback, max(d.ngram_max, d.ngram_fallback))
         return drafter
     raise ValueError(

@@ -64,6 +64,10 @@ class DrafterConfig:
     # eagle3 only: rows whose last ``ngram_fallback`` (.. ngram_max) tokens occurred before copy
     # what followed them instead of asking the head (drafters/hybrid.py); 0 = the head only
     ngram_fallback: int = 0
+    # eagle3 only: rows whose suffix match (drafters/suffix.py: the row's own text or recent
+    # requests' outputs) is at least ``suffix_fallback`` tokens copy its draft instead of asking
+    # the head (drafters/hybrid.py); 0 = off; not with ngram_fallback
+    suffix_fallback: int = 0
     # eagle3 only: the head's matrices 4-bit at load (drafters/eagle/q4.py; CPU below float32)
     head_q4: bool = False
     # how K is chosen each round (engine/kcontrol/controller.py): adaptive (goodput rule) |

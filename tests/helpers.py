@@ -152,13 +152,15 @@ def engine_for(
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
     e.g. a bf16 draft of an fp32 target), ``"layers"`` (the target's first ``num_layers``
     layers), ``"eagle3"`` (the EAGLE-3 ``head`` over the target's features; ``"eagle3+ngram"``:
-    with the n-gram fallback of drafters/hybrid.py, as configs/default.yaml ships it),
+    with the n-gram fallback of drafters/hybrid.py, as configs/default.yaml ships it;
+    ``"eagle3+suffix"``: with the suffix drafter as the fallback, its config's ``suffix_fallback``
+    or 3),
     ``"ngram"``, ``"suffix"`` (configs/default.yaml's suffix settings: the shared index of recent
     outputs on), or None / ``"none"`` (plain decoding). ``controller``: default the one the
     builder makes for the drafter (adaptive K)."""
     target, draft = models if isinstance(models, tuple | list) else (models, None)
     method = "none" if drafter is None else drafter
-    if method == "eagle3+ngram":
+    if method in ("eagle3+ngram", "eagle3+suffix"):
         method = "eagle3"
     if method not in ("none", "ngram", "suffix", "model", "self", "layers", "eagle3"):
         raise ValueError(f"unknown drafter {drafter!r}")
@@ -178,6 +180,7 @@ def engine_for(
             num_layers=num_layers,
             head_q4=head_q4,  # False: the head given is the one tested; True: its 4-bit form
             ngram_fallback=shipped.ngram_fallback if drafter == "eagle3+ngram" else 0,
+            suffix_fallback=(shipped.suffix_fallback or 3) if drafter == "eagle3+suffix" else 0,
             k_max=k_max,
             tree_topk=tree_topk,
             tree_leaves=shipped.tree_leaves or (4 if tree_topk else 0),

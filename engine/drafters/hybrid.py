@@ -1,4 +1,4 @@
-"""EAGLE-3 with a per-row n-gram fallback: where a row's text repeats itself, copy; else the head.
+"""EAGLE-3 with a per-row copying fallback: where a row's text repeats, copy; else the head.
 
 Each round, for every row that may draft (K > 0), the n-gram lookup (drafters/ngram.py) looks
 for the row's last ``min_match``..``max_n`` tokens earlier in its prompt + output. A row with
@@ -10,6 +10,11 @@ The head keeps every row's state in step either way: a row drafted by n-gram lea
 features pending, and the head takes them in the next time it drafts for that row (its
 ``commit`` already drops whatever a verify rejected). ``min_match`` sets how strong a repeat
 must be before copying beats the head: a one-token match is nearly always there and rarely right.
+
+With a suffix drafter (drafters/suffix.py) as the copier instead, a row copies the suffix
+draft where its match, in the row's own text or in recent requests' outputs, is at least
+``min_match`` tokens long; the suffix drafter follows every row's committed tokens either way
+(its ``add`` / ``commit`` / ``remove``), so its indexes stay whole whoever drafts.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from engine.drafters.base import DrafterBase, Proposal
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.forced import with_forced
 from engine.drafters.ngram import grammar_prefix, ngram_match
+from engine.drafters.suffix import SuffixDrafter
 from engine.records.plan import RoundPlan
 from engine.records.sequence import Sequence
 
@@ -29,10 +35,23 @@ class HybridDrafter(DrafterBase):
     samples = True  # the head's rows sample
     trees = True  # the head's rows
 
-    def __init__(self, eagle: EagleDrafter, min_match: int = 3, max_n: int = 4):
-        if not 1 <= min_match <= max_n:
+    def __init__(
+        self,
+        eagle: EagleDrafter,
+        min_match: int = 3,
+        max_n: int = 4,
+        suffix: SuffixDrafter | None = None,
+    ):
+        """``suffix``: copy its drafts (matches of ``min_match`` tokens or more) instead of the
+        n-gram lookup's (``max_n`` then unused)."""
+        if suffix is None and not 1 <= min_match <= max_n:
             raise ValueError("need 1 <= ngram_fallback <= ngram_max")
+        if suffix is not None and min_match < 1:
+            raise ValueError("need suffix_fallback >= 1")
         self.eagle, self.min_match, self.max_n = eagle, min_match, max_n
+        self.suffix = suffix
+        if suffix is not None:
+            self.name = "eagle3+suffix"
         self.taps = eagle.taps
         self.copied = 0  # rows drafted by the n-gram lookup, for tests and benchmarks
         self.headed = 0  # rows drafted by the head
@@ -44,15 +63,21 @@ class HybridDrafter(DrafterBase):
 
     def add(self, seqs: list[Sequence], lazy: bool = False) -> None:
         self.eagle.add(seqs, lazy)
+        if self.suffix is not None:
+            self.suffix.add(seqs, lazy)
 
     def fork(self, src: Sequence, dst: Sequence) -> None:
         self.eagle.fork(src, dst)
 
     def commit(self, seqs: list[Sequence]) -> None:
         self.eagle.commit(seqs)
+        if self.suffix is not None:
+            self.suffix.commit(seqs)
 
     def remove(self, seq: Sequence) -> None:
         self.eagle.remove(seq)
+        if self.suffix is not None:
+            self.suffix.remove(seq)
 
     def warm_up(self) -> None:
         self.eagle.warm_up()
@@ -65,11 +90,7 @@ class HybridDrafter(DrafterBase):
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
         ks = list(plan.ks)
-        copies = [
-            ngram_match(s.token_array(), k, self.min_match, self.max_n)[1] if k > 0 else []
-            for s, k in zip(seqs, ks)
-        ]
-        copies = grammar_prefix(seqs, copies)
+        copies = grammar_prefix(seqs, [self.copy(s, k) for s, k in zip(seqs, ks)])
         head_ks = [0 if c else k for c, k in zip(copies, ks)]
         self.last_copied = [b for b, c in enumerate(copies) if c]
         self.copied += len(self.last_copied)
@@ -79,3 +100,16 @@ class HybridDrafter(DrafterBase):
         tokens, num, probs = with_forced(prop.tokens, prop.num, prop.probs, copies)
         # a copied row has no alternatives
         return Proposal(tokens, num, probs, prop.alternatives, prop.extra_rows)
+
+    def copy(self, seq: Sequence, k: int) -> list[int]:
+        """Row ``seq``'s copy of at most ``k`` tokens, or [] where the head should draft."""
+        if k <= 0:
+            return []
+        if self.suffix is None:
+            return ngram_match(seq.token_array(), k, self.min_match, self.max_n)[1]
+        draft, source = self.suffix.draft(seq, k)
+        if draft.match < self.min_match:
+            return []
+        self.suffix.own_drafts += source == "own"
+        self.suffix.shared_drafts += source == "shared"
+        return draft.tokens

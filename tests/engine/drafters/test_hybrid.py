@@ -15,9 +15,10 @@ from tests.distribution import assert_fits, assert_rejects, exact_joint
 from tests.eagle_builders import HIDDEN, LAYERS, VOCAB, draws, echo_head, random_head
 
 
-def hybrid_engine(target, head, slots=4, k=3, min_match=2):
-    """Copies where a row's last ``min_match``+ tokens occurred before, else the head drafts."""
-    engine = helpers.engine_for(target, "eagle3+ngram", slots, controller=FixedK(k), head=head)
+def hybrid_engine(target, head, slots=4, k=3, min_match=2, copier="ngram"):
+    """Copies where a row's last ``min_match``+ tokens occurred before (n-gram lookup, or the
+    suffix drafter: ``copier``), else the head drafts."""
+    engine = helpers.engine_for(target, f"eagle3+{copier}", slots, controller=FixedK(k), head=head)
     engine.drafter.min_match = min_match
     return engine
 
@@ -50,6 +51,31 @@ def test_greedy_equals_plain_with_both_drafters_in_use(target):
     assert 0 < sum(s.accepted for s in out) < sum(s.drafted for s in out)
     assert isinstance(hybrid, HybridDrafter) and isinstance(hybrid.eagle, EagleDrafter)
     assert hybrid.eagle.cache.used_tokens() == 0  # every slot's head cache freed
+
+
+def test_greedy_equals_plain_with_suffix_and_head_and_copies_across_requests(target):
+    """The suffix drafter as the copier: the same ragged greedy batch equals plain decoding with
+    both the copies and the head in use; then the same prompts again, one engine: the rows copy
+    the first run's answers from the shared index, and take fewer target passes than the first
+    run, exactly the same output."""
+    rng = np.random.default_rng(4)
+    ps = [rng.integers(0, VOCAB, rng.integers(3, 30)).tolist() for _ in range(5)]
+    ps += [[1, 2, 3, 4] * 5, [7, 8] * 9 + [9], [5, 5, 6, 5, 5, 6, 5]]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i) for i in range(len(ps))]
+    ref = [s.output_ids for s in helpers.engine_for(target, None, 4).generate(ps, params)]
+    engine = hybrid_engine(target, echo_head(target), copier="suffix", k=4)
+    hybrid = engine.drafter
+    assert isinstance(hybrid, HybridDrafter) and hybrid.suffix is not None
+    first = engine.generate(ps, params, SpecParams(k=4))
+    assert [s.output_ids for s in first] == ref
+    assert hybrid.copied > 0 and hybrid.headed > 0
+    assert 0 < sum(s.accepted for s in first) < sum(s.drafted for s in first)
+    shared_before = hybrid.suffix.shared_drafts
+    again = engine.generate(ps, params, SpecParams(k=4))
+    assert [s.output_ids for s in again] == ref
+    assert hybrid.suffix.shared_drafts > shared_before
+    assert sum(s.target_passes for s in again) < sum(s.target_passes for s in first)
+    assert hybrid.eagle.cache.used_tokens() == 0 and hybrid.suffix.rows == {}
 
 
 @pytest.mark.slow
@@ -117,6 +143,21 @@ def test_sampled_distribution_matches_target():
 
     d.propose = copies_misreported
     assert_rejects(draws(wrong, prompt, **sampling), exact, "eagle3+ngram, copies' q misreported")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
+def test_sampled_distribution_with_the_suffix_copier_matches_target():
+    """The distribution test with the suffix drafter as the copier (seeded rows: their own
+    index), copies and head drafts both many."""
+    small = helpers.sharp_tiny(1, vocab=12, layers=LAYERS)
+    prompt, sampling = [0, 1, 2, 3, 4, 5, 0, 1], dict(temperature=0.8, top_k=6, top_p=0.95)
+    exact = exact_joint(small, prompt, 6, **sampling)
+    head = random_head(9, vocab=12, draft_vocab=8, hidden=32)
+    engine = hybrid_engine(small, head, 1024, 4, min_match=1, copier="suffix")
+    assert_fits(draws(engine, prompt, **sampling), exact, "eagle3+suffix")
+    hybrid = engine.drafter
+    assert hybrid.copied > 1000 and hybrid.headed > 1000, (hybrid.copied, hybrid.headed)
 
 
 def test_fallback_must_fit_the_lookup():
