@@ -11,6 +11,11 @@ Speculation (the terms are rejection.py's):
       acceptance rate = rate(specd_accepted_tokens_total[1m]) / rate(specd_draft_tokens_total[1m])
   specd_forced_tokens_total
       tokens a grammar forced, drafted for free (engine/drafters/forced.py) and kept
+  specd_copied_draft_tokens_total, specd_copied_accepted_tokens_total
+      the drafted / accepted tokens of rounds whose draft was copied from text (the n-gram or
+      suffix drafter, alone or as the EAGLE-3 head's fallback): the copier's share of drafts =
+      rate(specd_copied_draft_tokens_total[1m]) / rate(specd_draft_tokens_total[1m]), its
+      acceptance = rate(..._copied_accepted_tokens_total) / rate(..._copied_draft_tokens_total)
   specd_tree_leaves_total, specd_tree_leaf_accepts_total
       a draft tree's leaves (the head's runners-up verified beside its chain,
       engine/round/draft_tree.py) and the rounds whose accepted path ended at one (its token is
@@ -153,6 +158,16 @@ class Metrics:
             "specd_forced_tokens",
             "Tokens a grammar forced, verified as free drafts and kept (not in the drafted or "
             "accepted counts).",
+        )
+        self._copied_drafted = counter(
+            "specd_copied_draft_tokens",
+            "Drafted tokens copied from text (n-gram, suffix; counted in specd_draft_tokens_total)."
+            " The copier's share: rate(specd_copied_draft_tokens_total[1m]) / "
+            "rate(specd_draft_tokens_total[1m])",
+        )
+        self._copied_accepted = counter(
+            "specd_copied_accepted_tokens",
+            "Accepted tokens of copied drafts (counted in specd_accepted_tokens_total).",
         )
         self._leaves = counter(
             "specd_tree_leaves",
@@ -322,6 +337,8 @@ class Metrics:
             "spec_decode_num_drafts", "Sequence rounds that drafted"
         ).labels(model_name)
         self.forced = self._forced.labels(**lab)
+        self.copied_drafted = self._copied_drafted.labels(**lab)
+        self.copied_accepted = self._copied_accepted.labels(**lab)
         self.leaves = self._leaves.labels(**lab)
         self.leaf_accepts = self._leaf_accepts.labels(**lab)
         self.passes = self._passes.labels(**lab)
@@ -442,6 +459,9 @@ class Metrics:
             self.drafted.inc(st.drafted)
             self.accepted.inc(st.accepted)
             self.forced.inc(st.forced)
+            if st.copied:
+                self.copied_drafted.inc(st.drafted)
+                self.copied_accepted.inc(st.accepted)
             self.leaves.inc(st.leaves)
             self.leaf_accepts.inc(st.leaf_hit)
             for j in range(min(st.drafted, len(self.drafted_pos))):

@@ -49,6 +49,8 @@ class Proposal:
     probs: torch.Tensor | None  # [batch, K, vocab] draft distribution; None = one-hot q
     alternatives: Alternatives | None = None  # asked by plan.siblings; K' <= K
     extra_rows: int = 0  # row-steps the drafter ran beyond its chains' (a tree's expansion)
+    # per row: its draft was copied from text (n-gram, suffix), not a model's; None: none was
+    copied: list[bool] | None = None
 
 
 class Drafter(Protocol):

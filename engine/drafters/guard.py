@@ -101,6 +101,7 @@ def well_formed(prop: Proposal, ks: list[int]) -> bool:
         and t.shape[1] >= max(prop.num + [0])
         and t.shape[1] <= max(ks + [0])
         and (prop.probs is None or tuple(prop.probs.shape[:2]) == tuple(t.shape))
+        and (prop.copied is None or len(prop.copied) == b)
         and (
             prop.alternatives is None
             or (

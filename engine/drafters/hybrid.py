@@ -99,7 +99,8 @@ class HybridDrafter(DrafterBase):
         # a copied row was asked for nothing: its copy goes in as a one-hot run, like a forced one
         tokens, num, probs = with_forced(prop.tokens, prop.num, prop.probs, copies)
         # a copied row has no alternatives
-        return Proposal(tokens, num, probs, prop.alternatives, prop.extra_rows)
+        copied = [bool(c) for c in copies]
+        return Proposal(tokens, num, probs, prop.alternatives, prop.extra_rows, copied)
 
     def copy(self, seq: Sequence, k: int) -> list[int]:
         """Row ``seq``'s copy of at most ``k`` tokens, or [] where the head should draft."""

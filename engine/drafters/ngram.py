@@ -69,4 +69,5 @@ class NgramDrafter(DrafterBase):
         width = max([len(d) for d in drafts] + [0])
         padded = [d + [0] * (width - len(d)) for d in drafts]
         tokens = to_device(padded, torch.long, self.device).reshape(len(seqs), width)
-        return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None)
+        num = [len(d) for d in drafts]
+        return Proposal(tokens=tokens, num=num, probs=None, copied=[n > 0 for n in num])

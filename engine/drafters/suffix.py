@@ -160,4 +160,5 @@ class SuffixDrafter(DrafterBase):
         width = max([len(d) for d in drafts] + [0])
         padded = [d + [0] * (width - len(d)) for d in drafts]
         tokens = to_device(padded, torch.long, self.device).reshape(len(seqs), width)
-        return Proposal(tokens=tokens, num=[len(d) for d in drafts], probs=None)
+        num = [len(d) for d in drafts]
+        return Proposal(tokens=tokens, num=num, probs=None, copied=[n > 0 for n in num])

@@ -46,6 +46,7 @@ class RoundStats:
     forced: int = 0  # tokens the grammar forced that were drafted for free and kept (forced.py)
     leaves: int = 0  # a draft tree's leaves verified beside the chain (round/draft_tree.py)
     leaf_hit: int = 0  # 1: the accepted path ended at a leaf (counted in ``accepted``)
+    copied: bool = False  # its draft was copied from text (n-gram, suffix), not a model's
 
 
 @dataclass

@@ -159,7 +159,8 @@ class Speculator:
         draft_s, verify_s = clock.seconds(0, 1), clock.seconds(1, 2)  # (read after the sync)
         # 5. commit / rollback
         outputs = []
-        for s, k, n, f, row in zip(seqs, asked, num_draft, forced, rows):
+        copied_rows = {b for b, c in enumerate(prop.copied or []) if c} if prop else set()
+        for b, (s, k, n, f, row) in enumerate(zip(seqs, asked, num_draft, forced, rows)):
             kept = row.accepted
             # a forced run is the grammar's draft, not the drafter's: counted apart
             nd, a, free = (0, 0, kept) if f else (n, kept, 0)
@@ -173,7 +174,7 @@ class Speculator:
             # leaves: those verified (the ones asked, where the drafter had runners-up)
             stats = RoundStats(
                 k, nd, a, len(emitted), draft_s, verify_s, kmax, t2 - tv, free, row.leaves,
-                row.leaf_hit,
+                row.leaf_hit, copied=nd > 0 and b in copied_rows,
             )  # fmt: skip
             s.tree_rounds += row.leaves > 0
             s.leaf_hits += row.leaf_hit

@@ -507,3 +507,25 @@ def test_served_forward_paths_are_what_the_configs_ask(live, live_default):
     }
     assert on["target"].startswith("compiled+q4-"), on
     assert on["head"] in ("compiled", "captured"), on
+
+
+def test_copied_drafts_are_counted_apart_and_in_the_totals():
+    """specd_copied_*: the drafted / accepted tokens of rounds whose draft was a copy (n-gram,
+    suffix), also in the totals; a model's draft (the head's) is in the totals only."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from engine.records.sequence import RoundStats
+    from server.metrics import Metrics
+
+    metrics = Metrics("m", "eagle3")
+    rounds = [RoundStats(4, 4, 3, 4, 0.0, 0.0, copied=True), RoundStats(3, 3, 1, 2, 0.0, 0.0)]
+    metrics.observe_step(
+        [SimpleNamespace(new_token_ids=[1] * r.emitted, stats=r) for r in rounds], {}
+    )
+    m = scrape(generate_latest(metrics.registry).decode())
+    assert total(m, "specd_copied_draft_tokens_total") == 4
+    assert total(m, "specd_copied_accepted_tokens_total") == 3
+    assert total(m, "specd_draft_tokens_total") == 7
+    assert total(m, "specd_accepted_tokens_total") == 4

@@ -66,9 +66,15 @@ def test_greedy_equals_plain_with_suffix_and_head_and_copies_across_requests(tar
     engine = hybrid_engine(target, echo_head(target), copier="suffix", k=4)
     hybrid = engine.drafter
     assert isinstance(hybrid, HybridDrafter) and hybrid.suffix is not None
-    first = engine.generate(ps, params, SpecParams(k=4))
+    rounds = []
+    first = engine.generate(
+        ps, params, SpecParams(k=4), on_step=lambda o: rounds.extend(x.stats for x in o if x.stats)
+    )
     assert [s.output_ids for s in first] == ref
     assert hybrid.copied > 0 and hybrid.headed > 0
+    # the rounds say which drafts were copies (the metrics' copier share): some, not all
+    copied = sum(r.drafted for r in rounds if r.copied)
+    assert 0 < copied < sum(r.drafted for r in rounds)
     assert 0 < sum(s.accepted for s in first) < sum(s.drafted for s in first)
     shared_before = hybrid.suffix.shared_drafts
     again = engine.generate(ps, params, SpecParams(k=4))
