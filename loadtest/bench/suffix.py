@@ -26,7 +26,11 @@ drafter's shared index is emptied before each workload of each mode, so a mode s
 traffic the workload sends it. Modes are interleaved workload by workload (in order, then the
 reverse), so machine noise hits all alike.
 
-    python -m loadtest.bench.suffix --config configs/default.yaml --prompts 2 --max-tokens 96
+    python -m loadtest.bench.suffix --config configs/default.yaml --prompts 4 --max-tokens 128
+
+``--hybrid``: the config's EAGLE-3 head (method eagle3) with the suffix drafter as its copier
+(``drafter.suffix_fallback``, default the config's ``ngram_fallback``) against the n-gram lookup
+as its copier (the same minimum match), and off (loadtest/results/suffix_hybrid.txt).
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
+from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.suffix import SuffixDrafter
 from engine.drafters.suffix_index import SuffixIndex
@@ -50,6 +56,8 @@ from prompts.sets import chat_ids, humaneval_file, mt_bench
 # off; the suffix and n-gram drafters under the adaptive controller; the suffix drafter asked
 # for K_max every round (what it proposes where a copy is there to take, whatever the controller)
 MODES = ("off", "suffix", "ngram", "suffix-k")
+# --hybrid: the config's EAGLE-3 head with the suffix drafter or the n-gram lookup as its copier
+HYBRID_MODES = ("off", "eagle3+suffix", "eagle3+ngram")
 # open questions whose answers are prose (writing, roleplay, stem, humanities)
 PROSE = ("writing", "roleplay", "stem", "humanities")
 
@@ -76,19 +84,34 @@ def questions(n: int, skip: int = 0) -> list[str]:
 
 
 class Bench:
-    def __init__(self, config: str, max_tokens: int):
+    def __init__(self, config: str, max_tokens: int, hybrid: bool = False):
+        """``hybrid``: the config's EAGLE-3 head (method eagle3) with a copier, else the suffix
+        drafter alone."""
         cfg = EngineConfig.from_yaml(config)
-        cfg.drafter.method = "suffix"
-        cfg.drafter.ngram_fallback = cfg.drafter.suffix_fallback = 0
+        d = cfg.drafter
+        if hybrid:
+            if d.method != "eagle3":
+                raise SystemExit(f"--hybrid needs an EAGLE-3 config; {config} drafts {d.method}")
+            d.suffix_fallback = d.suffix_fallback or d.ngram_fallback or 3
+            d.ngram_fallback = 0
+        else:
+            d.method = "suffix"
+            d.ngram_fallback = d.suffix_fallback = 0
         cfg.prefix_cache_tokens = 0  # every mode prefills every prompt alike
         self.built = build_engine(cfg)
-        self.engine, self.tok = self.built.engine, self.built.tokenizer
+        self.engine = self.built.engine
+        self.tok: Any = self.built.tokenizer
         self.engine.warm_up()  # as the server's worker does first: every compiled shape
-        self.k_max = cfg.drafter.k_max
+        self.k_max = d.k_max
         assert self.engine.guard is not None
-        self.suffix = self.engine.guard.inner
+        self.hybrid = self.engine.guard.inner if hybrid else None
+        if isinstance(self.hybrid, HybridDrafter):
+            assert self.hybrid.suffix is not None
+            self.suffix = self.hybrid.suffix
+            self.hybrid.max_n = max(d.ngram_max, d.suffix_fallback)  # the n-gram copier's, as built
+        else:
+            self.suffix = self.engine.guard.inner  # type: ignore[assignment]
         assert isinstance(self.suffix, SuffixDrafter)
-        d = cfg.drafter
         self.fresh_shared = lambda: SuffixIndex(
             d.suffix_max_cached_requests, d.suffix_max_cached_tokens
         )
@@ -99,9 +122,12 @@ class Bench:
         """Speculation as ``mode`` says from the next request on, the shared index empty."""
         guard = self.engine.guard
         assert guard is not None
+        self.suffix.shared = self.fresh_shared()
+        if isinstance(self.hybrid, HybridDrafter):  # the copier: the suffix drafter or n-gram
+            self.hybrid.suffix = None if mode == "eagle3+ngram" else self.suffix
+            return
         guard.inner = self.ngram if mode == "ngram" else self.suffix
         self.engine.drafter = guard.inner
-        self.suffix.shared = self.fresh_shared()
 
     def run(self, ids: list[int], mode: str) -> tuple[int, int, float, float, list[int]]:
         """One request alone, its decoding after the first token (what speculation changes; the
@@ -127,9 +153,12 @@ class Bench:
         return chat_ids(self.tok, msgs)
 
 
-def workloads(b: Bench, n: int) -> dict[str, list[tuple[list[int] | None, list[int]]]]:
+Requests = list[tuple[list[int] | None, list[int]]]
+
+
+def workloads(b: Bench, n: int) -> dict[str, Requests]:
     """Per workload, its requests: (an untimed request sent first or None, the timed one)."""
-    rename = [
+    rename: Requests = [
         (
             None,
             b.chat(
@@ -140,7 +169,7 @@ def workloads(b: Bench, n: int) -> dict[str, list[tuple[list[int] | None, list[i
         for name, src in humaneval_functions(n)
     ]
     b.mode("off")
-    as_list = []
+    as_list: Requests = []
     for q in questions(n):  # the model's own answer, generated once, then rewritten
         answer = b.tok.decode(b.run(b.chat(q), "off")[4], skip_special_tokens=True)
         as_list.append(
@@ -154,8 +183,8 @@ def workloads(b: Bench, n: int) -> dict[str, list[tuple[list[int] | None, list[i
                 ),
             )
         )
-    retry = [(b.chat(q), b.chat(q)) for q in questions(n, skip=n)]
-    chat = [(None, b.chat(q)) for q in questions(n, skip=2 * n)]
+    retry: Requests = [(b.chat(q), b.chat(q)) for q in questions(n, skip=n)]
+    chat: Requests = [(None, b.chat(q)) for q in questions(n, skip=2 * n)]
     return {"rename": rename, "as-list": as_list, "retry": retry, "chat": chat}
 
 
@@ -167,9 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeat", type=int, default=2, help="timed sweeps (after an untimed one): the fastest"
     )
-    ap.add_argument("--out", default="loadtest/results/suffix.txt")
+    ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="the config's EAGLE-3 head with the suffix drafter vs the n-gram lookup as copier",
+    )
+    ap.add_argument("--out", default=None, help="default loadtest/results/suffix[_hybrid].txt")
     args = ap.parse_args(argv)
-    b = Bench(args.config, args.max_tokens)
+    out_path = args.out or f"loadtest/results/suffix{'_hybrid' if args.hybrid else ''}.txt"
+    modes = HYBRID_MODES if args.hybrid else MODES
+    b = Bench(args.config, args.max_tokens, args.hybrid)
     loads = workloads(b, args.prompts)
     # runs[(workload, mode, request)]: (tokens, passes, seconds, seconds drafting) of each timed
     # repeat; a request's fastest repeat counts (other work on a shared machine only slows)
@@ -183,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for w_i, (name, reqs) in enumerate(loads.items())
     ]
     for rep, w_i, name, reqs in sweeps:
-        order = MODES if (w_i + rep) % 2 == 0 else MODES[::-1]
+        order = modes if (w_i + rep) % 2 == 0 else modes[::-1]
         outputs: dict[str, list[list[int]]] = {}
         for mode in order:
             b.mode(mode)
@@ -194,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
                 if rep > 0:
                     runs.setdefault((name, mode, i), []).append((n_tok, passes, secs, drafting))
                 outputs.setdefault(mode, []).append(out)
-        same &= all(outputs[m] == outputs["off"] for m in MODES)
+        same &= all(outputs[m] == outputs["off"] for m in modes)
     totals: dict[tuple[str, str], list[float]] = {}
     for (name, mode, _), reps in runs.items():
         fastest = min(reps, key=lambda r: r[2])
-        tot = totals.setdefault((name, mode), [0, 0, 0.0, 0.0])
+        tot = totals.setdefault((name, mode), [0.0, 0.0, 0.0, 0.0])
         for j in range(4):
             tot[j] += fastest[j]
     c = b.built.config
@@ -208,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     command = (
         f"python -m loadtest.bench.suffix --config {args.config} --prompts {args.prompts} "
-        f"--max-tokens {args.max_tokens} --repeat {args.repeat}"
+        f"--max-tokens {args.max_tokens} --repeat {args.repeat}{' --hybrid' if args.hybrid else ''}"
     )
     setup = (
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model {c.model.name} "
@@ -217,23 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines = [head, command, f"CPU: {cpu_description()}", setup, ""]
     lines.append(
-        f"{'workload':<10}{'mode':<10}{'tokens':>8}{'tok/pass':>10}{'tok/s':>9}{'vs off':>8}"
+        f"{'workload':<10}{'mode':<15}{'tokens':>8}{'tok/pass':>10}{'tok/s':>9}{'vs off':>8}"
         f"{'draft ms/pass':>15}"
     )
     for name in loads:
         off = totals[(name, "off")]
-        for mode in MODES:
-            tok, passes, secs, drafting = totals[(name, mode)]
-            rate = tok / secs
+        for mode in modes:
+            made, per, spent, drafted_s = totals[(name, mode)]
+            rate = made / spent
             ratio = rate / (off[0] / off[2])
-            lines.append(
-                f"{name:<10}{mode:<10}{int(tok):>8}{tok / passes:>10.2f}{rate:>9.1f}{ratio:>7.2f}x"
-                f"{1000 * drafting / passes:>15.2f}"
-            )
+            row = f"{name:<10}{mode:<15}{int(made):>8}{made / per:>10.2f}{rate:>9.1f}"
+            lines.append(f"{row}{ratio:>7.2f}x{1000 * drafted_s / per:>15.2f}")
     lines += ["", f"outputs identical across modes: {same}"]
     text = "\n".join(lines)
     print(text)
-    Path(args.out).write_text(text + "\n")
+    Path(out_path).write_text(text + "\n")
     return 0
 
 
