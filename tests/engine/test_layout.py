@@ -244,12 +244,13 @@ def test_the_signature_check_counts_positional_parameters():
 
 # --- the text: files and dotted names it gives --------------------------------------------------
 # names of other projects that look like files (llama.cpp itself, its converter, the Prometheus
-# chart's template, a CRD's API group)
+# chart's template, a CRD's API group, Helm's annotation domain)
 ELSEWHERE = {
     "llama.cpp",
     "convert_hf_to_gguf.py",
     "templates/prometheus/prometheus.yaml",
     "keda.sh",
+    "helm.sh",
 }
 FILE_REF = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|md|yaml|yml|sh|cpp|toml))\b")
 DOTTED = re.compile(r"(?<![\w.])(engine(?:\.\w+)+)")
