@@ -241,6 +241,18 @@ def test_every_series_and_label_the_chart_reads_is_on_a_live_metrics_page(live):
                 assert label in known[sel.name] | TARGET_LABELS, f"{where}: {sel.name}{{{label}}}"
         assert q.grouping <= every_label, f"{where}: {q.grouping - every_label}"
 
+    # vLLM's dashboard and gateway queries (tests/server/test_metrics.py runs them through
+    # Prometheus where it is installed): each series and label they read is on the page itself
+    from tests.server.test_metrics import VLLM_QUERIES
+
+    for q in VLLM_QUERIES:
+        got = reads(q)
+        for sel in got.selectors:
+            assert sel.name in labels, f"{q}: {sel.name} is not on the page"
+            for label, _, _ in sel.matchers:
+                assert label in labels[sel.name], f"{q}: {sel.name}{{{label}}}"
+        assert got.grouping <= set().union(*labels.values(), {"le"}), q
+
     # the eager-fallback alert's matcher meets the path values the code sets: this server runs
     # its target eagerly (the fp32 test config), so the alert would see it
     (sel,) = shipped["rule SpecdEagerFallback"].selectors
