@@ -112,18 +112,26 @@ class ForwardTable:
 
     def __init__(self) -> None:
         self._times: dict[tuple[int, int], list[float]] = {}
+        # F by shape, read once: the controller prices the same few padded shapes every round
+        self._memo: dict[tuple[int, int], float] = {}
 
     def __len__(self) -> int:
         return len(self._times)
 
     def add(self, rows: int, q: int, seconds: float) -> None:
         self._times.setdefault((rows, q), []).append(seconds)
+        self._memo.clear()
 
     def points(self) -> list[tuple[int, int, float]]:
         """(rows, q, mean seconds) of every timed shape."""
         return [(r, q, sum(t) / len(t)) for (r, q), t in sorted(self._times.items())]
 
     def __call__(self, rows: int, q: int) -> float:
+        if (rows, q) not in self._memo:
+            self._memo[(rows, q)] = self._interpolate(rows, q)
+        return self._memo[(rows, q)]
+
+    def _interpolate(self, rows: int, q: int) -> float:
         if not self._times:
             return 0.0
         by_q: dict[int, tuple[list[float], list[float]]] = {}
