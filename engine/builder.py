@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -11,15 +12,16 @@ import torch
 
 from engine.config import EngineConfig
 from engine.drafters import Drafter, ModelDrafter, NgramDrafter
-from engine.drafters.eagle.drafter import EagleDrafter
+from engine.drafters.eagle.drafter import EagleDrafter, cache_len, step_buckets
 from engine.drafters.eagle.head import load_head
+from engine.drafters.eagle.stack import head_stack
 from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.model import check_same_vocab
 from engine.drafters.suffix import SuffixDrafter
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import AdaptiveK, FixedK, HeuristicK, KController
 from engine.model import invariant
-from engine.model.fast_path import fast_mode
+from engine.model.compiled import CompileConfig
 from engine.model.loader import default_cache_dir, load_model
 from engine.model.quant import native_q4
 from engine.model.runner import ModelRunner
@@ -133,15 +135,14 @@ def eagle_drafter(
     k_max: int = 0,
     *,
     q4: bool = False,
-    backend: str | None = None,
-    capture_kv_align: int | None = None,
+    compile: CompileConfig | None = None,
 ) -> EagleDrafter:
     """The EAGLE-3 drafter of the head at ``source`` for ``runner``'s target (in its dtype), or
     of ``head``, an already loaded one (tests build theirs in memory; moved to the device);
-    ``topk`` >= 2: its trees expand (``drafter.tree_topk``) for chains up to ``k_max``. Its
-    4-bit matrices (``q4``) and its step's fast path (``backend``: inductor's graphs;
-    ``capture_kv_align``: CUDA graphs) are fixed as it is built (EagleDrafter's constructor),
-    never set on it afterwards."""
+    ``topk`` >= 2: its trees expand (``drafter.tree_topk``) for chains up to ``k_max``. The
+    head's stack (drafters/eagle/stack.py: its matrices 4-bit with ``q4``) is served by a runner
+    of its own, whose fast path ``compile`` chooses as it does the target's (compiled on CPU,
+    captured on CUDA; None: eager), over the query lengths the head's calls take."""
     if head is not None:
         head = head.to(runner.device)
         source = source or "(in memory)"
@@ -155,19 +156,26 @@ def eagle_drafter(
         )
     if max(c.aux_layers) >= len(runner.weights):
         raise ValueError(f"the head taps layers {c.aux_layers}: the target has fewer")
-    embed = model.model.embed_tokens
-    return EagleDrafter(
-        head,
-        embed,
-        runner.cache.num_slots,
-        runner.max_len,
-        runner.vocab_size,
-        topk,
-        k_max,
-        q4=q4,
-        backend=backend,
-        capture_kv_align=capture_kv_align,
-    )
+    embed, slots = model.model.embed_tokens, runner.cache.num_slots
+    own = head_runner(head, embed, slots, cache_len(runner.max_len, topk, k_max), q4, compile)
+    return EagleDrafter(head, own, runner.vocab_size, topk)
+
+
+def head_runner(
+    head,
+    embed,
+    num_slots: int,
+    max_len: int,
+    q4: bool = False,
+    compile: CompileConfig | None = None,
+) -> ModelRunner:
+    """The runner of an EAGLE-3 head's stack (drafters/eagle/stack.py; ``embed``: the target's
+    embedding, unless the head has its own): a cache of ``num_slots`` slots of ``max_len``
+    positions, the head's matrices 4-bit with ``q4``, and ``compile``'s fast path over the query
+    lengths the head's calls take (None: eager)."""
+    if compile is not None:
+        compile = dataclasses.replace(compile, q_buckets=step_buckets())
+    return ModelRunner(head_stack(head, embed, q4), num_slots, max_len, compile=compile)
 
 
 def use_inductor_cache(folder: Path) -> None:
@@ -243,14 +251,6 @@ def make_drafter(
         )
         return ModelDrafter(drunner, min(vocab, drunner.vocab_size), name="draft_model")
     if d.method == "eagle3":
-        # the head's step compiled too: on CPU inductor's guardless graphs
-        # (drafters/eagle/step.py), which CUDA does not run (fast_path.fast_mode); there CUDA
-        # graphs (drafters/eagle/graphs.py)
-        backend, align = None, None
-        if cfg.compile.enabled and runner.device.type == "cpu":
-            backend = cfg.compile.backend
-        elif cfg.compile.enabled and fast_mode(cfg.compile, runner.device) == "cuda-graphs":
-            align = cfg.compile.kv_align
         drafter = eagle_drafter(
             d.source,
             model,
@@ -259,8 +259,7 @@ def make_drafter(
             tree_topk(d),
             d.k_max,
             q4=d.head_q4,
-            backend=backend,
-            capture_kv_align=align,
+            compile=cfg.compile,
         )
         if d.ngram_fallback and d.suffix_fallback:
             raise ValueError("drafter.ngram_fallback and drafter.suffix_fallback: one copier")

@@ -33,13 +33,13 @@ fi
 QUICK="tests/engine/model/test_cuda_graphs.py tests/engine/round/test_round.py tests/engine/round/test_spec_coverage.py
   tests/engine/model/test_model_runner.py tests/engine/model/test_kv_cache.py tests/engine/round/test_rejection.py
   tests/engine/round/test_sampling.py tests/engine/round/test_penalties.py tests/engine/round/test_forced.py
-  tests/engine/drafters/eagle/test_eagle.py tests/engine/drafters/eagle/test_eagle_graphs.py tests/engine/drafters/test_hybrid.py
+  tests/engine/drafters/eagle/test_eagle.py tests/engine/drafters/eagle/test_eagle_paths.py tests/engine/drafters/test_hybrid.py
   tests/engine/requests/test_engine_stops.py
   tests/engine/worker/test_worker.py tests/engine/round/test_transfer.py tests/engine/requests/test_prefill.py
   tests/engine/model/test_tree_verify.py tests/engine/round/test_tree.py tests/engine/round/test_draft_tree.py
   tests/engine/model/test_blocks.py tests/engine/model/test_prefix_cache.py tests/engine/test_prefix_caching.py
   tests/engine/test_preemption.py tests/engine/test_paged_kv.py"
-COMPILING="tests/engine/drafters/eagle/test_eagle_step.py tests/engine/model/test_fast_forward.py"
+COMPILING="tests/engine/model/test_fast_forward.py"
 pytest_cuda() {  # name, time limit, pytest arguments...
   local name=$1 limit=$2; shift 2
   SPECD_TEST_DEVICE=cuda timeout -s INT -k 15 "$limit" python3 -m pytest -q -rfE --tb=short \

@@ -300,7 +300,7 @@ class Metrics:
         self._path = Gauge(
             "specd_forward_path",
             "1 for the path each component's forward takes now (target, draft, head: eager, "
-            "compiled, cuda-graphs, captured, +q4-<kernel>), 0 for a path it took before.",
+            "compiled, cuda-graphs, +q4-<kernel>), 0 for a path it took before.",
             names + ["component", "path"],
             registry=r,
         )

@@ -9,9 +9,9 @@ import torch
 
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.head import Eagle3Head, HeadConfig, default_aux_layers
-from engine.drafters.eagle.step import HeadStep
 from engine.engine import SpecEngine
 from engine.kcontrol.controller import FixedK
+from engine.model.compiled import CompileConfig
 from engine.records.params import SamplingParams, SpecParams
 from tests import helpers
 
@@ -69,16 +69,15 @@ def eagle_engine(
     accept=None,
     *,
     q4: bool = False,
-    backend: str | None = None,
-    capture_kv_align: int | None = None,
+    compile: CompileConfig | None = None,
 ) -> SpecEngine:
     """An engine drafting with ``head`` (K fixed at ``k``, else adaptive), its drafter built with
-    its 4-bit matrices (``q4``) and its step's fast path (``backend``: inductor's graphs,
-    ``capture_kv_align``: CUDA graphs; neither: eager) chosen (helpers.engine_for)."""
+    its 4-bit matrices (``q4``) and its runner's fast path (``compile``: compiled or captured;
+    None: eager) chosen (helpers.engine_for); the target's forwards run eagerly."""
     ctl = FixedK(k) if k is not None else None
     return helpers.engine_for(
         target, "eagle3", slots, max_len=max_len, controller=ctl, head=head, accept=accept,
-        head_q4=q4, head_backend=backend, head_capture=capture_kv_align,
+        head_q4=q4, head_compile=compile,
     )  # fmt: skip
 
 
@@ -108,30 +107,23 @@ def draws(engine, prompt, n=4000, max_tokens=6, k=4, **sampling) -> list[list[in
     return [s.output_ids for s in seqs]
 
 
-def call(
-    d: EagleDrafter, fn, rows: int, q: int, ingest: bool, kv_len: int, seed: int, masked=False
-):
-    """``fn`` (eager or compiled head) on random inputs of this shape, rows in slots 0.. at
-    positions ``kv_len - q ..``; returns its outputs and the K written (cache restored).
-    ``masked`` (q = 1): a tree step's call, each row seeing a random half of the keys and its
-    own."""
+def head_call(d: EagleDrafter, rows: int, q: int, ingest: bool, kv_len: int, seed: int):
+    """The head's runner (its fast path, or eager inside ``d.head_runner.eager()``) on random
+    inputs of this shape, rows in slots 0.. at positions ``kv_len - q ..``; returns its outputs
+    ``[rows, hidden]``, logits ``[rows, draft_vocab]`` at each row's last query and the K written
+    (the cache and its lengths restored)."""
     g = torch.Generator().manual_seed(seed)
     width = d.head.fc.in_features if ingest else d.head.config.hidden_size
-    x = torch.randn(rows, q, width, generator=g)
+    x = torch.randn(rows, q, width, generator=g).to(d.dtype)
     ids = torch.randint(0, VOCAB, (rows, q), generator=g)
-    pos = torch.arange(kv_len - q, kv_len).expand(rows, q).clone()
-    last = torch.randint(0, q, (rows,), generator=g)
-    slots = torch.arange(rows)
-    x, ids, pos, last, slots = (t.to(d.device) for t in (x, ids, pos, last, slots))
-    k0, v0 = d.cache.k[0].clone(), d.cache.v[0].clone()
-    kv = d.kv_idx[: kv_len + (-kv_len) % 16]
-    mask = None
-    if masked:  # [rows, 1, 1, kv]
-        mask = (torch.rand(rows, 1, 1, kv.shape[0], generator=g) < 0.5).to(d.device)
-        mask[..., kv_len - 1] = True
-    step = HeadStep(ids, x, last, pos, pos, kv, slots, ingest, mask)
-    o, logits = fn(step, d.weights, d.cache.k[0], d.cache.v[0], d.shape)
-    written = d.cache.k[0][:rows, :, kv_len - q : kv_len].clone()
-    d.cache.k[0].copy_(k0)
-    d.cache.v[0].copy_(v0)
-    return o, logits, written
+    x, ids = x.to(d.device), ids.to(d.device)
+    c = d.cache
+    k0, v0, lengths = c.k[0].clone(), c.v[0].clone(), list(c.lengths)
+    for s in range(rows):
+        c.lengths[s] = kv_len - q
+    f = d.head_runner.forward(ids, list(range(rows)), [q] * rows, x=x)
+    written = c.k[0][:rows, :, kv_len - q : kv_len].clone()
+    c.k[0].copy_(k0)
+    c.v[0].copy_(v0)
+    c.lengths[:] = lengths
+    return f.output, f.logits, written

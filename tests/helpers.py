@@ -125,8 +125,7 @@ def engine_for(
     kv_layout: str | None = None,
     seed: int | None = None,
     head_q4: bool = False,
-    head_backend: str | None = None,
-    head_capture: int | None = None,
+    head_compile: CompileConfig | None = None,
 ) -> SpecEngine:
     """A :class:`SpecEngine` over in-memory models, built by engine/builder.py's own pieces
     (``make_drafter``, ``make_engine``: the drafter, the K controller and the engine the shipped
@@ -143,10 +142,10 @@ def engine_for(
     (default :data:`KV_LAYOUT`, which tests/engine/test_paged_kv.py sets to run other modules'
     tests over a paged cache; the engines it built are listed in :data:`PAGED_ENGINES`);
     ``seed``: the engine's generator's (config ``seed``; None: from the OS). ``head_q4``: the
-    EAGLE-3 head's matrices 4-bit (config ``drafter.head_q4``: test_eagle_q4.py). The head's
-    step's fast path, chosen as the drafter is built (engine/builder.py's ``eagle_drafter``)
-    whatever ``compile`` gives the target, for drafter ``"eagle3"`` only: ``head_backend``,
-    inductor's graphs, or ``head_capture``, CUDA graphs with keys bucketed from it.
+    EAGLE-3 head's matrices 4-bit (config ``drafter.head_q4``: test_eagle_q4.py).
+    ``head_compile``: the fast path of the EAGLE-3 head's runner, chosen as the drafter is built
+    (engine/builder.py's ``eagle_drafter``), for drafter ``"eagle3"`` only; None: the one
+    ``compile`` gives the target.
 
     ``models``: the target, or a ``(target, draft)`` pair. ``drafter``: ``"model"`` (the pair's
     draft model), ``"self"`` (the target drafts for itself; ``draft_dtype`` casts a copy of it,
@@ -198,13 +197,12 @@ def engine_for(
     )
     taps = tuple(head.config.aux_layers) if method == "eagle3" else ()
     runner = target_runner(cfg, target, taps)
-    head_fast = head_backend is not None or head_capture is not None
-    if head_fast and drafter != "eagle3":
-        raise ValueError(f"head_backend / head_capture: for drafter 'eagle3', not {drafter!r}")
-    if head_fast:
+    if head_compile is not None and drafter != "eagle3":
+        raise ValueError(f"head_compile: for drafter 'eagle3', not {drafter!r}")
+    if head_compile is not None:
         d = eagle_drafter(
             None, target, runner, head, expand_topk(cfg.drafter), k_max, q4=head_q4,
-            backend=head_backend, capture_kv_align=head_capture,
+            compile=head_compile,
         )  # fmt: skip
     else:
         d = make_drafter(cfg, target, None, runner, draft=draft, head=head)
@@ -220,10 +218,10 @@ def fed_prompt_tokens(engine) -> list[int]:
     fed: list[int] = []
     real = engine.target.forward
 
-    def forward(tokens, slots, counts=None, logits="last", invariant=False):
+    def forward(tokens, slots, *args, **kwargs):
         if isinstance(tokens, list):
             fed.extend(len(t) for t in tokens)
-        return real(tokens, slots, counts, logits, invariant)
+        return real(tokens, slots, *args, **kwargs)
 
     engine.target.forward = forward
     return fed

@@ -103,6 +103,15 @@ def bucket(buckets: list[int], n: int) -> int | None:
     return None
 
 
+def widths_input(runner: Stack, nb: int, qb: int) -> list[torch.Tensor | None]:
+    """A zero input of every width the runner's input adapter reads at ``qb`` tokens a row
+    ``[nb, qb, width]`` (None: tokens only), for warm-ups and captures."""
+    return [
+        None if w is None else torch.zeros(nb, qb, w, dtype=runner.dtype, device=runner.device)
+        for w in runner.inputs.widths(qb)
+    ]
+
+
 class FastForward:
     """Compiled fixed-shape forward of one :class:`~engine.model.runner.ModelRunner`."""
 
@@ -159,10 +168,12 @@ class FastForward:
         starts: list[int],
         counts: list[int],
         tree: Tree | None = None,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rows ``ids`` ``[batch, q]`` for ``slots`` at ``starts`` with ``counts`` valid tokens
         (``tree``: draft trees, tree_attention.Tree; the graphs take its mask as they take the
-        causal one; not under inductor's CUDA-graph trees); returns their final-normed hidden states
+        causal one; not under inductor's CUDA-graph trees; ``x`` ``[batch, q, width]``: the
+        input adapter's other input); returns their final-normed hidden states
         ``[batch, q, hidden]`` and tapped inputs ``[batch, q, taps * hidden]``, or None when
         the shape is outside the buckets."""
         runner, dev = self.runner, self.runner.device
@@ -178,6 +189,10 @@ class FastForward:
         slot_t = to_device(slots, torch.long, dev)  # [batch]
         ids_b = torch.zeros(nb, qb, dtype=torch.long, device=dev)  # [nb, qb]
         ids_b[slot_t, :q] = ids
+        x_b = None
+        if x is not None:  # [nb, qb, width]
+            x_b = x.new_zeros(nb, qb, x.shape[-1])
+            x_b[slot_t, :q] = x
         kv_len = self._kv_len(max(st + n for st, n in zip(starts, counts)))
         rows_at: list[int] | torch.Tensor = row_start  # [nb]
         tree_b = None
@@ -187,7 +202,7 @@ class FastForward:
             tree_b = self._tree_rows(tree, slot_t, nb, qb, q)
             rows_at = to_device(row_start, torch.long, dev)
             pos = rows_at[:, None] + tree_b.depth  # [nb, qb] on the device: start + depth
-        h, tapped = self._call(ids_b, pos, write_pos, kv_len, tree_b, rows_at)
+        h, tapped = self._call(ids_b, pos, write_pos, kv_len, tree_b, rows_at, x_b)
         # the rows of this forward's slots
         return h[slot_t, :q], (tapped[slot_t, :q] if tapped is not None else None)
 
@@ -216,12 +231,14 @@ class FastForward:
         kv_len: int,
         tree: Tree | None = None,
         starts: list[int] | torch.Tensor | None = None,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over slots ``[0, nb)`` for ids ``[nb, qb]`` (on the device) and
         pos, write_pos ``[nb, qb]`` (host tensors; a tree's pos on the device), keys read up to
         ``kv_len``; ``tree`` (over the ``nb`` rows) and the rows' ``starts`` ``[nb]``: the
-        queries attend as the tree says, else causally. Returns final-normed hidden states
-        ``[nb, qb, hidden]`` and the tapped inputs."""
+        queries attend as the tree says, else causally; ``x`` ``[nb, qb, width]``: the input
+        adapter's other input. Returns final-normed hidden states ``[nb, qb, hidden]`` and the
+        tapped inputs."""
         dev = self.runner.device
         nb = ids.shape[0]
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
@@ -241,6 +258,7 @@ class FastForward:
             group_fn=self.graphs,
             group_size=self.cfg.layers_per_graph,
             mask=mask,
+            x=x,
         )
 
     # -- start-up -------------------------------------------------------------------------------
@@ -255,8 +273,9 @@ class FastForward:
                     t = time.perf_counter()
                     ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
                     pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)
-                    for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
-                        self._call(ids, pos, write_pos, kv)
+                    for x in widths_input(runner, nb, qb):
+                        for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
+                            self._call(ids, pos, write_pos, kv, x=x)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     log.info(

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -50,6 +51,7 @@ import torch
 from engine.fallback import warn_fallback
 from engine.model.compiled import CompileConfig, FastForward, bucket
 from engine.model.group_graphs import GuardedGroups
+from engine.model.layer import varying_shape_attention
 from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import copy_into
 
@@ -79,6 +81,7 @@ class Captured:
     visible: torch.Tensor | None = None  # [nb, qb, qb] bool
     chain: torch.Tensor | None = None  # [nb, qb, qb] lower-triangular: a chain's (constant)
     holds_tree: bool = False  # visible holds a tree's, not the chain's
+    x: torch.Tensor | None = None  # [nb, qb, width]: the input adapter's other input
 
 
 class GraphForward(FastForward):
@@ -87,7 +90,8 @@ class GraphForward(FastForward):
     def __init__(self, runner: Stack, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
         self.kv_buckets = kv_buckets(cfg.kv_align, runner.cache.max_len + 1)
-        self.captured: dict[tuple[int, int, int], Captured] = {}
+        # (nb, qb, key length, the input adapter's width) -> its graph
+        self.captured: dict[tuple[int, int, int, int | None], Captured] = {}
         self.captures = 0  # graphs recorded (warm-up only); ``calls``: replays
         self.pool = torch.cuda.graph_pool_handle() if runner.device.type == "cuda" else None
         # compile.fuse: the captured forward runs inductor's layer groups, not the eager stack
@@ -101,17 +105,21 @@ class GraphForward(FastForward):
         kv_len: int,
         tree: Tree | None = None,
         starts: list[int] | torch.Tensor | None = None,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As :meth:`FastForward._call` (``kv_len`` a key-length bucket): fill the bucket's
         static inputs, replay its graph (captured on first use), return its static outputs. A
         verify's graph (q > 1) sees by its static ``visible``: the chain's lower triangle, or
         the tree's, whose positions (start + depth) come in ``pos``."""
         nb, qb = ids.shape
-        key = (nb, qb, kv_len)
+        key = (nb, qb, kv_len, None if x is None else x.shape[-1])
         g = self.captured.get(key)
         if g is None:
             g = self.captured[key] = self._capture(*key)
         g.ids.copy_(ids)
+        if g.x is not None:
+            assert x is not None
+            g.x.copy_(x)
         copy_into(g.pos, pos)
         copy_into(g.write_pos, write_pos)
         if g.visible is not None:
@@ -155,16 +163,24 @@ class GraphForward(FastForward):
             for nb in self.batch_buckets:
                 for qb in self.q_buckets:
                     for kv in self.kv_buckets:
-                        if (nb, qb, kv) not in self.captured:
-                            self.captured[(nb, qb, kv)] = self._capture(nb, qb, kv)
+                        for width in self.runner.inputs.widths(qb):
+                            key = (nb, qb, kv, width)
+                            if key not in self.captured:
+                                self.captured[key] = self._capture(*key)
 
-    def _capture(self, nb: int, qb: int, kv_len: int) -> Captured:
+    def _capture(self, nb: int, qb: int, kv_len: int, width: int | None = None) -> Captured:
         """Record the decoder stack over slots ``[0, nb)`` at ``qb`` tokens a row, keys read up to
-        ``kv_len``. The recording runs on scratch positions (every row's count is 0): nothing
-        committed is written."""
+        ``kv_len``, with the input adapter's other input ``width`` wide (None: tokens only). The
+        recording runs on scratch positions (every row's count is 0): nothing committed is
+        written. A stack that feeds its output back (the EAGLE-3 head) is recorded attending as
+        forwards of varying shapes do (engine/model/layer.py's varying_shape_attention: no cuDNN
+        plan a bucket, for its many small buckets)."""
         runner, dev = self.runner, self.runner.device
         pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)  # [nb, qb]
         ids = torch.zeros(nb, qb, dtype=torch.long, device=dev)
+        x = None
+        if width is not None:
+            x = torch.zeros(nb, qb, width, dtype=runner.dtype, device=dev)
         pos, write_pos = pos.to(dev), write_pos.to(dev)
         rows = torch.arange(nb, device=dev)  # [nb]: row r is slot r
         kv_idx = torch.arange(kv_len, device=dev)  # [kv_len]
@@ -178,15 +194,18 @@ class GraphForward(FastForward):
             groups = self.groups
             size = self.cfg.layers_per_graph if groups is not None else None
             mask = None if visible is None or starts is None else tree_mask(visible, starts, kv_len)
-            return runner.layers_forward(
-                ids, pos, write_pos, rows, kv_idx, 0, group_fn=groups, group_size=size, mask=mask
-            )
+            shapes = varying_shape_attention(dev) if runner.feeds_back else nullcontext()
+            with shapes:
+                return runner.layers_forward(
+                    ids, pos, write_pos, rows, kv_idx, 0, group_fn=groups, group_size=size,
+                    mask=mask, x=x,
+                )  # fmt: skip
 
         (out, tapped), replay = record_on(dev, forward, self.pool)
         self.captures += 1
         log.info("captured %s forward batch=%d q=%d keys=%d", runner.name, nb, qb, kv_len)
         return Captured(
-            ids, pos, write_pos, rows, kv_idx, out, tapped, replay, starts, visible, chain
+            ids, pos, write_pos, rows, kv_idx, out, tapped, replay, starts, visible, chain, x=x
         )
 
 

@@ -11,7 +11,8 @@ step: docs/measurements.md), so they are dropped (``skip_all_guards_unsafe``) an
 - the static dimensions: with dynamic shapes whether batch and q are 1 (torch specializes sizes
   1), else the (batch, q) bucket itself;
 - whether keys are read as a view (``first_slot``), and whether through a paged cache's block
-  tables (``read_idx``);
+  tables (``read_idx``); whether the group's first layer is given its attention input (``x0``:
+  the EAGLE-3 head's);
 - the group's weight structure: per layer and field, None, a dense tensor's shape and dtype, or
   a 4-bit matrix's (a layer whose 4-bit conversion failed keeps dense weights, so its group needs
   a graph of its own), and the group's length.
@@ -55,16 +56,22 @@ class GroupGraphs:
         self._structures: dict[tuple, tuple] = {}  # weight ids -> (the weights, structure)
 
     def __call__(
-        self, h: torch.Tensor, ws: Group, kcs: Caches, vcs: Caches, at: LayerInputs
+        self,
+        h: torch.Tensor,
+        ws: Group,
+        kcs: Caches,
+        vcs: Caches,
+        at: LayerInputs,
+        x0: torch.Tensor | None = None,
     ) -> GroupOut:
         B, q = h.shape[0], h.shape[1]
         dims = (B == 1, q == 1) if self.dynamic else (B, q)
-        key = (dims, at.first_slot is None, at.read_idx is None, self._structure(ws))
+        key = (dims, at.first_slot is None, at.read_idx is None, x0 is None, self._structure(ws))
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = self._compile()
-            self._mark(h, at)
-        return fn(h, ws, kcs, vcs, at)
+            self._mark(h, at, x0)
+        return fn(h, ws, kcs, vcs, at, x0)
 
     def _structure(self, ws: Group) -> tuple:
         """The weight structure of a group (see the module docstring), cached by the identity of
@@ -87,7 +94,7 @@ class GroupGraphs:
         """A compiled :func:`layer_group` with entries of its own and no guards."""
         return compile_guardless(layer_group, self.backend, self.mode, self.eager_numerics)
 
-    def _mark(self, h: torch.Tensor, at: LayerInputs) -> None:
+    def _mark(self, h: torch.Tensor, at: LayerInputs, x0: torch.Tensor | None = None) -> None:
         """Mark the dynamic dimensions of the call that compiles a key: the key length (unless
         graphs read the whole cache: CUDA graphs), and with dynamic shapes batch and q (only
         sizes above 1: the key holds whether they are 1)."""
@@ -102,6 +109,7 @@ class GroupGraphs:
             marks += [(h, 0), (h, 1), (cos, 0), (cos, 2), (sin, 0), (sin, 2), (mask, 0)]
             marks += [(mask, 2), (slot_t, 0), (write_pos, 0), (write_pos, 1)]
             marks += [(read_idx, 0)] if read_idx is not None else []
+            marks += [(x0, 0), (x0, 1)] if x0 is not None else []
         for t, d in marks:
             if t.shape[d] > 1:
                 dynamo.mark_dynamic(t, d)

@@ -74,6 +74,7 @@ def forward(
     slot = [slots[b] for b, _ in rows] + [slots[0]] * (padded - n)
     tok = torch.zeros(padded, dtype=torch.long, device=dev)
     tok[:n] = ids[b_idx, j_idx]
+    assert runner.embed is not None, "a language model's stack (tokens in)"
     h = runner.embed(tok)  # [tokens, hidden]
     pos_t, slot_t = torch.tensor(pos, device=dev), torch.tensor(slot, device=dev)
     cos, sin = runner.rotary(h[None], pos_t[None])  # [1, tokens, head_dim]

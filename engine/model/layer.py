@@ -174,9 +174,10 @@ def varying_shape_attention(device: torch.device) -> contextlib.AbstractContextM
     #4650, FunASR #3704): the adaptive controller's rare probe rounds, whose draft catch-ups come
     in new shapes, then made a large batch far slower than plain decoding though K stayed near 0
     (docs/measurements.md). The runners' captured graphs keep cuDNN: their plans are built once,
-    before capture. The EAGLE-3 head's captured steps (engine/drafters/eagle/graphs.py) keep
-    this form: hundreds of buckets would each build a plan at warm-up, and over the few hundred
-    keys a head attends to, the grouped form is no slower. Elsewhere, and inside a compiled
+    before capture. The EAGLE-3 head's captured steps (engine/model/cuda_graphs.py records a
+    stack that feeds its output back so) keep this form: hundreds of buckets would each build a
+    plan at warm-up, and over the few hundred keys a head attends to, the grouped form is no
+    slower. Elsewhere, and inside a compiled
     function (Dynamo cannot trace the kernel choice's context), a no-op."""
     if device.type == "cuda" and not torch.compiler.is_compiling():
         return _VaryingShapes()
@@ -240,16 +241,25 @@ Caches = tuple[torch.Tensor, ...]  # their K (or V) caches, [slots, kv_heads, ma
 GroupOut = tuple[torch.Tensor, list[torch.Tensor]]  # the output, and each layer's input
 
 
-def layer_group(h: torch.Tensor, ws: Group, kcs: Caches, vcs: Caches, at: LayerInputs) -> GroupOut:
+def layer_group(
+    h: torch.Tensor,
+    ws: Group,
+    kcs: Caches,
+    vcs: Caches,
+    at: LayerInputs,
+    x0: torch.Tensor | None = None,
+) -> GroupOut:
     """Consecutive decoder layers (weights ``ws``, their caches ``kcs`` / ``vcs``), the unit
     that the compiled path compiles (engine/model/compiled.py: one graph serves every group of
     the same structure; a graph per layer pays Dynamo's per-call cost once per layer, one of
-    the whole stack compiles far longer). Arguments as :func:`decoder_layer`'s. Returns the
-    group's output ``[batch, q, hidden]`` and each layer's input (the EAGLE-3 taps)."""
+    the whole stack compiles far longer). Arguments as :func:`decoder_layer`'s; ``x0``: the
+    group's first layer's attention input (a stack whose input adapter gives one, the EAGLE-3
+    head's: engine/model/stack.py). Returns the group's output ``[batch, q, hidden]`` and each
+    layer's input (the EAGLE-3 taps)."""
     inputs = []
     for w, kc, vc in zip(ws, kcs, vcs):
         inputs.append(h)
-        h = decoder_layer(h, w, kc, vc, at)
+        h, x0 = decoder_layer(h, w, kc, vc, at, x0), None
     return h, inputs
 
 

@@ -36,7 +36,7 @@ from engine.model.layer import (
     varying_shape_attention,
 )
 from engine.model.q4_matmul import Q4Weight, q4_linear
-from engine.model.stack import Forward
+from engine.model.stack import Forward, StackSpec, TokenInput
 from engine.model.tree_attention import Tree, tree_inputs
 from engine.model.weights import LayerWeights, ModelWeights, dense_weights
 from engine.transfer import to_device
@@ -55,12 +55,64 @@ class Hidden(NamedTuple):
     tapped: torch.Tensor | None  # as Forward.tapped
 
 
+def model_stack(
+    model, num_layers: int | None = None, name: str = "target", weights: ModelWeights | None = None
+) -> tuple[StackSpec, ModelWeights]:
+    """The stack of a transformers causal LM (its first ``num_layers`` layers): its embedding in,
+    its final norm and LM head out, over ``weights`` (default: the model's dense ones). Returns
+    the stack and the weights it computes with (another runner of the same model shares them:
+    the first-N-layers self-draft)."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {cfg.model_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    base = model.model
+    layers = list(base.layers)
+    if num_layers is not None:
+        if not 1 <= num_layers <= len(layers):
+            raise ValueError(f"num_layers must be in 1..{len(layers)}, got {num_layers}")
+        layers = layers[:num_layers]
+    shape, max_positions = config_shape(cfg, layers[0].input_layernorm)
+    p = next(model.parameters())
+    if weights is None:
+        weights = dense_weights(model)
+    # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head), or None: dense
+    head, lm_head = weights.head, model.lm_head
+
+    def logits(h: torch.Tensor) -> torch.Tensor:
+        # the file's Q8_0 head as two 4-bit halves (engine/model/quant.py), at every batch size:
+        # one model whatever the batch (a dense bf16 head can be faster on many positions, but
+        # it is the head's weights rounded to bf16, a slightly different model)
+        if head is not None:
+            return q4_linear(torch.cat([h, h], dim=-1), head).float()
+        return lm_head(h).float()
+
+    spec = StackSpec(
+        name=name,
+        shape=shape,
+        weights=weights.layers[: len(layers)],
+        inputs=TokenInput(base.embed_tokens),
+        norm=base.norm,
+        logits=logits,
+        rotary=base.rotary_emb,
+        vocab_size=lm_head.out_features,
+        device=p.device,
+        dtype=p.dtype,
+        max_positions=max_positions,
+    )
+    return spec, ModelWeights(spec.weights, head)
+
+
 class ModelRunner:
-    """Our decoder loop over a transformers model's weights and a :class:`SlotKVCache` of
-    ``num_slots`` rows of up to ``max_len`` tokens (capped by the model's maximum positions).
+    """Our decoder loop over a stack (:class:`~engine.model.stack.StackSpec`: a transformers
+    model's, or the EAGLE-3 head's) and a :class:`SlotKVCache` of ``num_slots`` rows of up to
+    ``max_len`` tokens (capped by the model's maximum positions).
 
     Chosen once, here:
 
+    - ``model``: a transformers causal LM (its stack, :func:`model_stack`), or a stack;
     - ``num_layers``: run only the first N layers (the early-layers self-draft);
     - ``taps``: the layers whose *inputs* every forward returns (an EAGLE-3 drafter reads them);
     - ``weights``: the layer weights and LM head (:func:`engine.model.quant.native_q4`'s 4-bit
@@ -92,35 +144,27 @@ class ModelRunner:
         pool_tokens: int | None = None,
         block_size: int = 16,
     ):
-        cfg = model.config
-        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model type {cfg.model_type!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        self.model, self.name = model, name
-        base = model.model
-        self.embed, self.norm, self.rotary = base.embed_tokens, base.norm, base.rotary_emb
-        layers = list(base.layers)
-        if num_layers is not None:
-            if not 1 <= num_layers <= len(layers):
-                raise ValueError(f"num_layers must be in 1..{len(layers)}, got {num_layers}")
-            layers = layers[:num_layers]
-        if any(not 0 <= t < len(layers) for t in taps):
-            raise ValueError(f"taps {taps}: the runner has {len(layers)} layers")
-        self.lm_head = model.lm_head
-        self.vocab_size = self.lm_head.out_features
-        self.shape, max_positions = config_shape(cfg, layers[0].input_layernorm)
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        if weights is None:
-            weights = dense_weights(model)
-        self.weights: list[LayerWeights] = weights.layers[: len(layers)]
-        # the LM head as a 4-bit Q4Weight over [h, h] (quant.convert_q8_0_head), or None: dense
-        self.head: Q4Weight | None = weights.head
+        if isinstance(model, StackSpec):
+            spec, self.model = model, None
+            self.head: Q4Weight | None = None
+        else:
+            spec, weights = model_stack(model, num_layers, name, weights)
+            self.model, self.head = model, weights.head
+            self.lm_head = model.lm_head
+        self.spec, self.name = spec, spec.name
+        self.inputs, self.feeds_back = spec.inputs, spec.feeds_back
+        # token ids -> embeddings (the batch-invariant forward embeds itself)
+        self.embed = getattr(spec.inputs, "embed", None)
+        self.norm, self.rotary, self.logits = spec.norm, spec.rotary, spec.logits
+        self.vocab_size, self.shape = spec.vocab_size, spec.shape
+        self.device, self.dtype = spec.device, spec.dtype
+        self.weights: list[LayerWeights] = spec.weights
+        if any(not 0 <= t < len(self.weights) for t in taps):
+            raise ValueError(f"taps {taps}: the runner has {len(self.weights)} layers")
         self.taps = tuple(taps)
+        max_positions = spec.max_positions
         self.max_len = max_len if max_positions is None else min(max_len, max_positions)
-        geometry = (len(layers), num_slots, self.shape.kv_heads, self.shape.head_dim)
+        geometry = (len(self.weights), num_slots, self.shape.kv_heads, self.shape.head_dim)
         self.cache: KVCache
         if pool_tokens is None:
             self.cache = SlotKVCache(*geometry, self.max_len, self.dtype, self.device)
@@ -190,6 +234,8 @@ class ModelRunner:
         logits: str = "last",
         invariant: bool = False,
         tree: Tree | None = None,
+        *,
+        x: torch.Tensor | None = None,
     ) -> Forward:
         """Feed each row's new tokens to slot ``slots[b]`` at its committed length.
 
@@ -202,22 +248,57 @@ class ModelRunner:
         Small forwards (decode steps, verifies, draft steps) go through the fast path when the
         runner has one (:mod:`engine.model.compiled`); prefill chunks run eagerly.
         ``invariant``: the batch-invariant forward (:mod:`engine.model.invariant`); ``tree``:
-        the rows' tokens are draft trees (:class:`Tree`; not with ``invariant``)."""
+        the rows' tokens are draft trees (:class:`Tree`; not with ``invariant``); ``x``
+        ``[batch, q, width]``: the rows' other inputs, for a stack whose input adapter reads
+        them (the EAGLE-3 head's features)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', not {logits!r}")
         ids, counts = self._ids(tokens, counts)
         if invariant:
-            if tree is not None:
-                raise ValueError("the batch-invariant forward verifies chains, not trees")
+            if tree is not None or x is not None:
+                raise ValueError("the batch-invariant forward verifies a model's chains")
             starts = self._starts(slots)
             self._reserve(slots, starts, counts)
             return Forward(*batch_invariant.forward(self, ids, slots, starts, counts, logits))
-        h, tapped = self._stack(ids, slots, counts, tree)  # [batch, q, hidden]
+        h, tapped = self._stack(ids, slots, counts, tree, x)  # [batch, q, hidden]
         if logits == "last":
             B, dev = len(slots), self.device
             last = to_device([n - 1 for n in counts], torch.long, dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
-        return Forward(self.logits(h), tapped)  # [batch, vocab] or [batch, q, vocab]
+        return self._out(h, tapped)
+
+    def _out(self, h: torch.Tensor, tapped: torch.Tensor | None) -> Forward:
+        """Logits ``[..., vocab]`` of the stack's hidden states ``h`` ``[..., hidden]`` (final-
+        normed, or for a stack that feeds its output back the output itself, normed here)."""
+        if self.feeds_back:
+            return Forward(self.logits(self.norm(h)), tapped, h)
+        return Forward(self.logits(h), tapped)
+
+    @torch.inference_mode()
+    def forward_at(
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        x: torch.Tensor | None = None,
+    ) -> Forward:
+        """Rows placed by the caller, eagerly: ids ``[rows, q]`` of slots ``slots`` (a slot may
+        hold several rows) at positions ``pos`` ``[rows, q]``, their K/V written at cache columns
+        ``write_pos`` ``[rows, q]``, each query seeing the keys ``mask`` ``[rows, 1, q, kv_len]``
+        says (an EAGLE-3 head's draft tree step: engine/drafters/eagle/expand.py); ``x`` as
+        :meth:`forward`'s. Committed lengths are not changed. Returns the logits at every
+        query ``[rows, q, vocab]``."""
+        dev = self.device
+        slot_t = to_device(slots, torch.long, dev)
+        kv_idx = torch.arange(mask.shape[-1], device=dev)
+        with varying_shape_attention(dev):
+            h, tapped = self.layers_forward(
+                ids, pos, write_pos, slot_t, kv_idx, None, mask=mask, x=x
+            )
+        return self._out(h, tapped)
 
     @torch.inference_mode()
     def hidden(self, tokens: list[list[int]], slots: list[int], invariant: bool = False) -> Hidden:
@@ -253,10 +334,16 @@ class ModelRunner:
             self.cache.reserve(s, st + n)
 
     def _stack(
-        self, ids: torch.Tensor, slots: list[int], counts: list[int], tree: Tree | None = None
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        counts: list[int],
+        tree: Tree | None = None,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack, through the fast path when it takes the shape: final-normed hidden
-        states ``[batch, q, hidden]`` and the tapped inputs."""
+        states ``[batch, q, hidden]`` (a stack that feeds its output back: the output) and the
+        tapped inputs."""
         starts = self._starts(slots)
         kv_len = max(s + n for s, n in zip(starts, counts))
         if kv_len > self.cache.max_len:
@@ -264,13 +351,13 @@ class ModelRunner:
         self._reserve(slots, starts, counts)
         if self._fast is not None and not self._eager_only:
             try:  # None when the shape is outside the buckets
-                out = self._fast.run(ids, slots, starts, counts, tree)
+                out = self._fast.run(ids, slots, starts, counts, tree, x)
                 if out is not None:
                     return out
             except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
                 self._drop_fast(e)  # the eager forward below rewrites every position it wrote
         with varying_shape_attention(self.device):  # shapes vary: no per-shape cuDNN plans
-            return self._eager_rows(ids, slots, starts, counts, kv_len, tree)
+            return self._eager_rows(ids, slots, starts, counts, kv_len, tree, x)
 
     def _eager_rows(
         self,
@@ -280,6 +367,7 @@ class ModelRunner:
         counts: list[int],
         kv_len: int,
         tree: Tree | None = None,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The eager stack over rows in ``slots``. Keys are read as a view of consecutive slots:
         rows that are not consecutive run inside the span of slots they cover, each slot of the
@@ -304,10 +392,15 @@ class ModelRunner:
                 torch.arange(kv_len, device=dev),
                 first if consecutive else None,
                 mask=mask,
+                x=x,
             )
         rows = [s - first for s in slots]  # each row's index in the span
         span_ids = ids.new_zeros(span, ids.shape[1])  # [span, q]
         span_ids[to_device(rows, torch.long, dev)] = ids
+        span_x = None
+        if x is not None:  # [span, q, width]
+            span_x = x.new_zeros(span, *x.shape[1:])
+            span_x[to_device(rows, torch.long, dev)] = x
         span_starts, span_counts = [0] * span, [0] * span  # idle: scratch writes only
         for r, st, n in zip(rows, starts, counts):
             span_starts[r], span_counts[r] = st, n
@@ -319,18 +412,10 @@ class ModelRunner:
             torch.arange(first, first + span, device=dev),
             torch.arange(kv_len, device=dev),
             first,
+            x=span_x,
         )  # [span, q, hidden]
         pick = to_device(rows, torch.long, dev)
         return h[pick], (tapped[pick] if tapped is not None else None)  # [batch, q, ...]
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[..., vocab]`` of final-normed hidden states ``[..., hidden]``."""
-        # the file's Q8_0 head as two 4-bit halves (engine/model/quant.py), at every batch size: one
-        # model whatever the batch (a dense bf16 head can be faster on many positions, but it is
-        # the head's weights rounded to bf16, a slightly different model)
-        if self.head is not None:
-            return q4_linear(torch.cat([h, h], dim=-1), self.head).float()
-        return self.lm_head(h).float()
 
     def buckets(self) -> tuple[list[int], list[int]] | None:
         """The fast path's (row buckets, q buckets), or None where forwards run eagerly."""
@@ -357,6 +442,7 @@ class ModelRunner:
         group_fn: Callable[..., tuple[torch.Tensor, list[torch.Tensor]]] | None = None,
         group_size: int | None = None,
         mask: torch.Tensor | None = None,
+        x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder stack over the slot cache.
 
@@ -366,8 +452,9 @@ class ModelRunner:
         :func:`~engine.model.layer.layer_group` over groups of ``group_size`` layers
         (engine/model/compiled.py); default: the whole stack as one eager group. ``mask``
         ``[batch, 1, q, kv_len]`` bool: which keys each query sees (a tree's, :func:`tree_mask`);
-        default: by position, ``kv_pos <= pos``. Returns the
-        final-normed hidden states ``[batch, q, hidden]`` and the inputs of the layers in
+        default: by position, ``kv_pos <= pos``. ``x``: the input adapter's other input
+        (:meth:`forward`). Returns the final-normed hidden states ``[batch, q, hidden]`` (a stack
+        that feeds its output back: the last layer's output) and the inputs of the layers in
         ``taps`` ``[batch, q, len(taps) * hidden]`` (None without taps); K/V of every query token
         written in place. A paged cache's positions are translated here, once a forward, to
         the pool's (``read_idx``: each row's keys; a captured graph records the translation)."""
@@ -377,7 +464,7 @@ class ModelRunner:
             rows = slot_t[:, None]  # [batch, 1]
             read_idx = cache.physical(rows, kv_idx[None, :])  # [batch, kv_len]
             write_pos = cache.physical(rows, write_pos)  # [batch, q]
-        h = self.embed(ids)  # [batch, q, hidden]
+        h, x0 = self.inputs(ids, x)  # [batch, q, hidden]; the first layer's attention input
         cos, sin = self.rotary(h, pos)  # [batch, q, head_dim]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [batch, 1, q, head_dim]
         if mask is None:  # [batch, 1, q, kv_len]
@@ -395,6 +482,8 @@ class ModelRunner:
         for g0 in range(0, n, size):
             g = slice(g0, g0 + size)
             ws, kcs, vcs = tuple(self.weights[g]), tuple(cache.k[g]), tuple(cache.v[g])
-            h, inputs = run(h, ws, kcs, vcs, at)
+            h, inputs = run(h, ws, kcs, vcs, at, x0)
+            x0 = None
             tapped += [inputs[i - g0] for i in self.taps if g0 <= i < g0 + size]
-        return self.norm(h), (torch.cat(tapped, dim=-1) if tapped else None)
+        out = h if self.feeds_back else self.norm(h)
+        return out, (torch.cat(tapped, dim=-1) if tapped else None)

@@ -70,12 +70,13 @@ def run_chunks(
     for group in prefill_groups(chunks, cap, alone):
         seqs = [c.seq for c in group]
         scores = seqs[0].scores_prompt  # then a group of one
-        logits, tapped = target.forward(
+        f = target.forward(
             [c.tokens for c in group],
             [s.slot for s in seqs],
             logits="all" if scores else "last",
             invariant=invariant(seqs),  # the deterministic mode's forward, if a row asks for it
-        )  # [rows, vocab], or [1, chunk, vocab] when the prompt is scored
+        )
+        logits, tapped = f.logits, f.tapped  # [rows, vocab], or [1, chunk, vocab] when scored
         if scores:
             add_prompt_logprobs(seqs[0], group[0].start, logits[0])
             logits = logits[:, -1]

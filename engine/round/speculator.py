@@ -109,8 +109,9 @@ class Speculator:
         verify_ids = torch.cat([plan.last, nodes], dim=1)  # [batch, n+1]
         counts = [1 + (nodes.shape[1] if n_l else n) for n_l, n in zip(leaves, num_draft)]
         slots = [s.slot for s in seqs]
-        shape = {"tree": tree.tree} if tree is not None else {}  # (else causal: a chain)
-        logits, tapped = self.target.forward(verify_ids, slots, counts, "all", invariant, **shape)
+        shape = tree.tree if tree is not None else None  # (else causal: a chain)
+        fwd = self.target.forward(verify_ids, slots, counts, "all", invariant, shape)
+        logits, tapped = fwd.logits, fwd.tapped
         logits = self._process(logits, seqs, nodes, num_draft)  # [batch, n+1, vocab]
         top_n = self._top_n(seqs)
         probs = self._probs(logits, plan, top_n)  # [batch, n+1, vocab]

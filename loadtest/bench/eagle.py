@@ -83,7 +83,7 @@ def draft_step_fraction(engine) -> dict:
     out = torch.zeros(1, d.head.config.hidden_size, dtype=d.dtype, device=d.device)
 
     def draft_step():
-        return d.chain_step(tok, out, [slot], [200])[1].argmax(-1)
+        return d.chain_step(tok, out, [slot])[1].argmax(-1)
 
     t_draft = time_call(draft_step, target.device, repeats=20, warmup=3)
     t_target = time_call(

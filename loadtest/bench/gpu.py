@@ -24,6 +24,7 @@ import traceback
 import numpy as np
 import torch
 
+from engine.builder import head_runner
 from engine.drafters import ModelDrafter
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.engine import SpecEngine
@@ -223,15 +224,14 @@ class Bench:
             k_max=K_MAX,
         )
         embed = self.tmodel.model.embed_tokens
-        eager = EagleDrafter(head, embed, 1, t.max_len, t.vocab_size)
-        # as the builder: the head's CUDA graphs, every bucket (engine/drafters/eagle/graphs.py),
-        # chosen as the drafter is built; the eager step is timed on a second, eager drafter
+        eager = EagleDrafter(head, head_runner(head, embed, 1, t.max_len), t.vocab_size)
+        # as the builder: the head's runner with the target's fast path (captured on CUDA, every
+        # bucket), chosen as the drafter is built; the eager step is timed on a second, eager one
         captured = self.a.compile != "none"
-        d = (
-            EagleDrafter(head, embed, 1, t.max_len, t.vocab_size, capture_kv_align=64)
-            if captured
-            else eager
-        )
+        d = eager
+        if captured:
+            own = head_runner(head, embed, 1, t.max_len, compile=self.fast("eagle3"))
+            d = EagleDrafter(head, own, t.vocab_size)
         eng = SpecEngine(t, d, [], controller=FixedK(0), k_max=K_MAX, accept=self.accept)
         self.warm_up(eng, k)
         # c: one chained head step / one target decode step, batch 1, `context` tokens cached
@@ -246,7 +246,7 @@ class Bench:
             o = torch.zeros(1, head.config.hidden_size, dtype=self.dtype, device=dev)
 
             def step_of(x: EagleDrafter):
-                return lambda: x.chain_step(tok, o, [0], [ctx])[1].argmax(-1)
+                return lambda: x.chain_step(tok, o, [0])[1].argmax(-1)
 
             k["eagle_eager_step_ms"] = (
                 med(time_calls(step_of(eager), dev, self.a.reps, warmup=3)) * 1e3

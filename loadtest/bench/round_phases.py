@@ -40,7 +40,6 @@ PHASES = {
     "drafter.commit": ("engine/drafters/guard.py", "commit"),
     "eagle.ingest": ("engine/drafters/eagle/drafter.py", "_ingest"),
     "eagle.chain_step": ("engine/drafters/eagle/drafter.py", "chain_step"),
-    "eagle.run": ("engine/drafters/eagle/drafter.py", "_run"),
 }
 
 

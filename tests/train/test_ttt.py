@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from engine.builder import head_runner
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.model.runner import ModelRunner
 from tests import helpers
@@ -20,7 +21,7 @@ def test_ttt_steps_equal_the_inference_chain():
     runner = ModelRunner(target, num_slots=1, max_len=64, taps=tuple(head.config.aux_layers))
     feats = runner.forward([ids], [0]).tapped  # [1, S, 3 hidden]
     steps = 3
-    d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB)
+    d = EagleDrafter(head, head_runner(head, target.model.embed_tokens, 1, 64), VOCAB)
     rotary = LlamaRotaryEmbedding(config=head.config.llama_config())
     fwd = TTTForward(head, target.model.embed_tokens, rotary)
     with torch.no_grad():
@@ -40,7 +41,8 @@ def test_ttt_steps_equal_the_inference_chain():
     for j in range(steps):
         if j > 0:  # the chain: own output and the true token t_{P+1+j} at position P + j
             tok = torch.tensor([ids[P + 1 + j]])
-            out, logits = d.chain_step(tok, out, [0], [P + j])
+            assert d.cache.lengths[0] == P + j
+            out, logits = d.chain_step(tok, out, [0])
             d.cache.commit(0, P + j + 1)
         inference = logits[0]  # [draft_vocab]
         torch.testing.assert_close(inference, train_logits[j][0, P].float(), atol=1e-4, rtol=1e-4)

@@ -31,30 +31,35 @@ Invariant after ``commit``: ``skipped + real + len(pending) == N - 1``, so the n
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-
 import torch
 
 from engine.drafters.base import Alternatives, DrafterBase, Proposal
 from engine.drafters.chain import Position, RowParams, draft_chain
 from engine.drafters.eagle.expand import Expansion
-from engine.drafters.eagle.graphs import HeadCapture
 from engine.drafters.eagle.head import Eagle3Head
-from engine.drafters.eagle.step import HeadGraphs, HeadStep, HeadWeights, head_forward
-from engine.fallback import warn_fallback
-from engine.kv.kv_cache import SlotKVCache
-from engine.model.layer import LayerShape
-from engine.model.weights import from_layer
+from engine.model.compiled import default_buckets
+from engine.model.runner import ModelRunner
 from engine.records.plan import RoundPlan
 from engine.records.sequence import Sequence
 from engine.sampling.grammar import DraftGrammar
 from engine.sampling.probs import logits_to_probs, race
 from engine.transfer import to_device
 
-log = logging.getLogger("specd.eagle")
-KV_ALIGN = 16  # keys read per call rounded up to this (masked past each row's position)
 WINDOW = 16  # pending positions a row keeps at K = 0 (up to twice as many); older ones skipped
+
+
+def cache_len(max_len: int, branch: int, k_max: int) -> int:
+    """The positions a slot of the head's cache holds: the sequence's ``max_len`` and the
+    columns a draft tree's extras write past the chain's (expand.py: ``k_max`` steps of
+    ``branch`` columns; none without trees)."""
+    return max_len + (k_max * branch if branch >= 2 else 0)
+
+
+def step_buckets() -> list[int]:
+    """The query lengths the head's fast path pads a call to: an ingest's 1 to 2 ``WINDOW``
+    pending positions (a longer one, a prompt's at admission, runs eagerly), a chained step's
+    1."""
+    return default_buckets(2 * WINDOW)
 
 
 class RunnersUp:
@@ -96,73 +101,29 @@ class EagleDrafter(DrafterBase):
     name, samples = "eagle3", True
     trees = True  # the head's runners-up
 
-    def __init__(
-        self,
-        head: Eagle3Head,
-        embed: torch.nn.Module,
-        num_slots: int,
-        max_len: int,
-        vocab: int,
-        branch: int = 0,
-        k_max: int = 0,
-        *,
-        q4: bool = False,
-        backend: str | None = None,
-        capture_kv_align: int | None = None,
-    ):
-        """``branch`` B >= 2: draft trees expand EAGLE-2's way (expand.py), B children a node
-        and B - 1 extras a depth, for chains of up to ``k_max``; else a tree is the chain's
-        runners-up.
-
-        The head's weights and its step's path are chosen here, never changed afterwards, so a
-        drafter an engine holds is the one it was built as (the builder passes
-        ``drafter.head_q4`` and the compile config's choice): ``q4``, its matrices 4-bit
-        (q4.py) where the int4 kernel applies, else kept dense (:attr:`q4` says which);
-        ``backend``, inductor's graphs without guards (step.py, on CPU), or
-        ``capture_kv_align``, CUDA graphs with keys bucketed from it (graphs.py); neither,
-        eager. A fast path is made ready by :meth:`warm_up` (it may still drop to eager for
-        good after a failure: :meth:`own_path`)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        c = head.config
+    def __init__(self, head: Eagle3Head, runner: ModelRunner, vocab: int, branch: int = 0):
+        """``runner``: the head's stack (stack.py) over a cache of its own, of
+        :func:`cache_len` positions a slot, built by the builder with its 4-bit matrices
+        (``drafter.head_q4``) and its fast path (compiled or captured, as the target's) chosen
+        there, never changed afterwards. ``vocab``: the target's. ``branch`` B >= 2: draft
+        trees expand EAGLE-2's way (expand.py), B children a node and B - 1 extras a depth;
+        else a tree is the chain's runners-up."""
         self.branch = branch if branch >= 2 else 0
-        room = k_max * self.branch  # the columns a tree row writes past the chain's (expand.py)
-        max_len += room
-        self.head, self.vocab_size = head.eval(), vocab
-        self.embed = head.embed_tokens if head.embed_tokens is not None else embed
-        p = next(head.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.taps = tuple(c.aux_layers)
-        self.cache = SlotKVCache(
-            1, num_slots, c.num_key_value_heads, c.dim, max_len, p.dtype, p.device
-        )
-        self.shape = LayerShape(
-            c.num_attention_heads, c.num_key_value_heads, c.dim, c.rms_norm_eps, c.hidden_act
-        )
-        rotary = LlamaRotaryEmbedding(config=c.llama_config()).to(p.device)
-        self.kv_idx = torch.arange(max_len + 1, device=p.device)  # [max_len + 1] key positions
-        cos, sin = rotary(torch.zeros(1, dtype=p.dtype, device=p.device), self.kv_idx[None])
-        embed_w = self.embed.weight
-        assert isinstance(embed_w, torch.Tensor)
-        self.weights = HeadWeights(
-            embed_w,
-            head.fc.weight,
-            head.midlayer.hidden_norm.weight,
-            from_layer(head.midlayer),
-            head.norm.weight,
-            head.lm_head.weight,
-            cos[0],
-            sin[0],
-        )
+        self.head, self.head_runner, self.vocab_size = head.eval(), runner, vocab
+        self.cache = runner.cache
+        self.device, self.dtype = runner.device, runner.dtype
+        self.taps = tuple(head.config.aux_layers)
+        self.kv_idx = torch.arange(self.cache.max_len + 1, device=self.device)  # key positions
         self.draft_ids = head.draft_to_target  # [draft_vocab] target id of each draft id
         self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> [n, taps * hidden] pieces
         self.pending_n: dict[int, int] = {}
         self.real: dict[int, int] = {}  # slot -> cache positions computed from real features
         self.skipped: dict[int, int] = {}  # slot -> sequence positions never ingested
-        self.q4 = q4 and self._use_q4()  # True: the head's matrices run 4-bit
-        self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._fast_path(
-            backend, capture_kv_align
-        )  # head_forward (eager) or its graphs
+
+    @property
+    def q4(self) -> bool:
+        """Whether the head's matrices run 4-bit (``drafter.head_q4`` where the kernel applies)."""
+        return "+q4-" in self.head_runner.path()
 
     # -- life cycle ---------------------------------------------------------------------------
     def observe(
@@ -204,12 +165,8 @@ class EagleDrafter(DrafterBase):
             d.pop(seq.slot, None)
 
     def own_path(self) -> str:
-        """How the head's step runs now: ``captured`` (CUDA graphs), ``compiled``, or ``eager``
-        (never compiled, or dropped to eager after a failed compile or capture)."""
-        f = self.forward
-        if isinstance(f, HeadCapture):
-            return "eager" if f.eager else "captured"
-        return "compiled" if isinstance(f, HeadGraphs) else "eager"
+        """How the head's step runs now: its runner's path (ModelRunner.path)."""
+        return self.head_runner.path()
 
     def backlogs(self, seqs: list[Sequence]) -> list[int]:  # < 2·WINDOW: commit drops older
         return [max(self.pending_n.get(s.slot, 0) - 1, 0) for s in seqs]
@@ -224,74 +181,9 @@ class EagleDrafter(DrafterBase):
                 self.pending[slot] = [torch.cat(self.pending[slot])[drop:keep]]
                 self.pending_n[slot], self.skipped[slot] = keep - drop, self.skipped[slot] + drop
 
-    def _use_q4(self) -> bool:
-        """At construction: the head's matrices 4-bit (engine/drafters/eagle/q4.py); False where
-        the int4 kernel does not apply (CUDA, float32, widths not a multiple of 32): kept
-        dense."""
-        from engine.drafters.eagle.q4 import quantized, supported
-
-        if not supported(self.weights, self.device, self.dtype):
-            log.warning("drafter.head_q4: needs a CPU head below float32; kept dense")
-            return False
-        self.weights = quantized(self.weights, self.dtype)
-        return True
-
-    # -- compiled path ------------------------------------------------------------------------
-    def _fast_path(
-        self, backend: str | None, capture_kv_align: int | None
-    ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        """At construction: the head's step, made ready by :meth:`warm_up`: inductor's graphs
-        without guards with ``backend`` (step.py, on CPU), CUDA graphs with
-        ``capture_kv_align`` (graphs.py), or neither, the eager :func:`head_forward`."""
-        if backend is not None and capture_kv_align is not None:
-            raise ValueError("the EAGLE-3 head's step: a compile backend or CUDA graphs, not both")
-        if backend is not None:
-            return HeadGraphs(backend)
-        if capture_kv_align is None:
-            return head_forward
-        # keys bucketed from the target's kv_align; an ingest of up to 2 WINDOW positions
-        c = self.cache
-        extras = self.branch - 1 if self.branch else 0  # expand.py's E
-        return HeadCapture(
-            c.scratch_pos, c.num_slots, capture_kv_align, c.max_len, 2 * WINDOW, extras
-        )
-
     def warm_up(self) -> None:
-        """Compile or capture every graph key on the scratch column (nothing committed is read
-        or changed)."""
-        width = (self.head.fc.in_features, self.head.config.hidden_size)  # ingest, chain
-        kv = (self.cache.k[0], self.cache.v[0])
-        if isinstance(self.forward, HeadCapture):
-            self.forward.capture_all(self.weights, *kv, self.shape, width)
-        elif isinstance(self.forward, HeadGraphs):
-            self.forward.warm_up(
-                self._run, width, self.dtype, self.device, self.cache.scratch_pos, self.branch > 0
-            )
-
-    def _run(self, ids, x, last, slots, pos, write_pos, kv_len, *, ingest, visible=None):
-        """:func:`head_forward` (compiled or eager) on the head's weights and cache; ``last``,
-        ``slots`` host lists; ``kv_len`` rounded up (the compiled graphs never see a 1).
-        ``visible`` (a tree's step, q = 1): each row's committed length ``[rows]`` and the tree
-        columns past it that it sees ``[rows, W]`` (expand.py)."""
-        dev, c = self.device, self.cache
-        kv_len = min(-(-max(kv_len, 2) // KV_ALIGN) * KV_ALIGN, c.max_len + 1)
-        last_t, slot_t = to_device(last, torch.long, dev), to_device(slots, torch.long, dev)
-        kv_idx, mask = self.kv_idx[:kv_len], None
-        if visible is not None:
-            real, bits = visible
-            rel = kv_idx[None, :] - real[:, None]  # [rows, kv_len]: the key's tree column
-            w = bits.shape[1]
-            seen = bits.gather(1, rel.clamp(0, w - 1)) & (rel >= 0) & (rel < w)
-            mask = ((rel < 0) | seen)[:, None, None, :]  # [rows, 1, 1, kv_len]
-        step = HeadStep(ids, x, last_t, pos, write_pos, kv_idx, slot_t, ingest, mask)
-        try:
-            return self.forward(step, self.weights, c.k[0], c.v[0], self.shape)
-        except Exception as e:  # a compile failure must not stop drafting
-            if self.forward is head_forward:
-                raise
-            warn_fallback(log, "compiled EAGLE-3 head", e, "eager from now on")
-            self.forward = head_forward
-            return head_forward(step, self.weights, c.k[0], c.v[0], self.shape)
+        """Compile or capture the head's fast path (nothing committed is read or changed)."""
+        self.head_runner.warm_up()
 
     # -- drafting -----------------------------------------------------------------------------
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
@@ -328,7 +220,7 @@ class EagleDrafter(DrafterBase):
             if grown is not None and runners is not None and trees:
                 out, logits = self._grow_step(at, out, trees, slots, grown, runners, plan)
             else:
-                out, logits = self.chain_step(at.prev, out, slots, starts)  # (output, draft)
+                out, logits = self.chain_step(at.prev, out, slots)  # (output, draft)
             for s, st in zip(slots, starts):
                 self.cache.commit(s, st + 1)
             return logits, out
@@ -378,10 +270,14 @@ class EagleDrafter(DrafterBase):
         ids = torch.cat([at.prev, tok])[:, None]  # [V, 1]
         xs = torch.cat([out, x.to(out.dtype)])[:, None]  # [V, 1, hidden]
         all_slots = slots + [slots[i] for i in trees for _ in range(e)]
-        o, logits = self._run(
-            ids, xs, [0] * len(all_slots), all_slots, pos[:, None], write[:, None],
-            max(real) + w, ingest=False, visible=(all_real, vis),
-        )  # fmt: skip
+        # the keys each node sees: its row's committed prefix, and the tree columns past it that
+        # ``vis`` marks (its ancestors and itself)
+        rel = self.kv_idx[None, : max(real) + w] - all_real[:, None]  # [V, kv_len]: tree column
+        seen = vis.gather(1, rel.clamp(0, w - 1)) & (rel >= 0) & (rel < w)
+        mask = ((rel < 0) | seen)[:, None, None, :]  # [V, 1, 1, kv_len]
+        f = self.head_runner.forward_at(ids, all_slots, pos[:, None], write[:, None], mask, x=xs)
+        assert f.output is not None
+        o, logits = f.output[:, 0], f.logits[:, 0]  # [V, hidden], [V, draft_vocab]
         n = len(rows)
         temp = plan.temperature[rows_t].repeat_interleave(e)[:, None]
         grown.children(j, rows_t, o[n:], torch.softmax(logits[n:] / temp, -1), self.draft_ids)
@@ -437,7 +333,7 @@ class EagleDrafter(DrafterBase):
         q = max(counts)
         feats = torch.zeros(
             len(seqs), q, self.head.fc.in_features, dtype=self.dtype, device=self.device
-        )  # [rows, q, taps * hidden]
+        )  # [rows, q, taps * target_hidden]
         ids = []
         for b, (s, st, n) in enumerate(zip(seqs, starts, counts)):
             pend = torch.cat(self.pending[s.slot])
@@ -447,26 +343,21 @@ class EagleDrafter(DrafterBase):
             nxt = s.token_array()[t : t + n].tolist()
             ids.append(nxt + [0] * (q - n))
         ids_t = to_device(ids, torch.long, self.device)  # [rows, q]
-        pos, write_pos = (
-            to_device(t, None, self.device) for t in self.cache.positions(starts, counts, q)
-        )  # [rows, q]
-        kv_len = max(st + n for st, n in zip(starts, counts))
-        last = [n - 1 for n in counts]
-        out = self._run(ids_t, feats, last, slots, pos, write_pos, kv_len, ingest=True)
+        f = self.head_runner.forward(ids_t, slots, counts, x=feats)  # at the cache's lengths
         for slot, st, n in zip(slots, starts, counts):
             self.cache.commit(slot, st + n)
             self.real[slot] = st + n
-        return out
+        assert f.output is not None
+        return f.output, f.logits
 
     @torch.inference_mode()
     def chain_step(
-        self, tok: torch.Tensor, out: torch.Tensor, slots: list[int], starts: list[int]
+        self, tok: torch.Tensor, out: torch.Tensor, slots: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained draft step: tokens ``tok`` ``[rows]`` with the head's previous outputs
-        ``out`` ``[rows, hidden]`` at positions ``starts``; K/V written there (uncommitted).
-        Returns the new outputs ``[rows, hidden]`` and draft logits ``[rows, draft_vocab]``."""
-        pos = to_device(starts, torch.long, self.device)[:, None]  # [rows, 1]
-        last = [0] * len(slots)
-        return self._run(
-            tok[:, None], out[:, None], last, slots, pos, pos, max(starts) + 1, ingest=False
-        )
+        ``out`` ``[rows, hidden]`` at each slot's cache length; K/V written there (the caller
+        commits them, or rolls them back). Returns the new outputs ``[rows, hidden]`` and draft
+        logits ``[rows, draft_vocab]``."""
+        f = self.head_runner.forward(tok[:, None], slots, [1] * len(slots), x=out[:, None])
+        assert f.output is not None
+        return f.output, f.logits

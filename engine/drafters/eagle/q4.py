@@ -13,12 +13,22 @@ drafter sampled from, so quantizing changes acceptance, never the output's distr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from engine.drafters.eagle.step import HeadWeights
 from engine.model.q4_matmul import GROUP, Q4Weight, pack
 from engine.model.weights import LayerWeights
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from engine.model.weights import Weight
+
+    # the head's matrices: fc [hidden, taps * target_hidden], its layer, lm_head
+    # [draft_vocab, hidden]
+    Matrices: TypeAlias = tuple[Weight, LayerWeights, Weight]
 
 
 def quantize(w: torch.Tensor, dtype: torch.dtype, split: tuple[int, ...] | None = None) -> Q4Weight:
@@ -43,11 +53,11 @@ def dequantize(q: Q4Weight) -> torch.Tensor:
     return linear(eye, q).T.float()
 
 
-def supported(w: HeadWeights, device: torch.device, dtype: torch.dtype) -> bool:
+def supported(w: Matrices, device: torch.device, dtype: torch.dtype) -> bool:
     """The 4-bit CPU matmuls: every input width a multiple of 32 and output height of 16,
     activations below float32 (with float32 it is far slower than dense, engine/builder.py)."""
-    lw = w.layer
-    mats = [w.fc, lw.o, lw.down, w.lm_head, lw.q, lw.k, lw.v, lw.gate, lw.up]
+    fc, lw, lm_head = w
+    mats = [fc, lw.o, lw.down, lm_head, lw.q, lw.k, lw.v, lw.gate, lw.up]
     if device.type != "cpu" or dtype == torch.float32:
         return False
     dense = [m for m in mats if isinstance(m, torch.Tensor)]
@@ -57,9 +67,9 @@ def supported(w: HeadWeights, device: torch.device, dtype: torch.dtype) -> bool:
     return all(h % 16 == 0 for h in rows[:4] + [sum(rows[4:7]), sum(rows[7:])])
 
 
-def quantized(w: HeadWeights, dtype: torch.dtype) -> HeadWeights:
+def quantized(w: Matrices, dtype: torch.dtype) -> Matrices:
     """``w`` with its matrices 4-bit (Q, K, V and gate, up fused); biases are not supported."""
-    lw = w.layer
+    fc, lw, lm_head = w
     assert lw.q is not None and lw.k is not None and lw.v is not None
     assert lw.gate is not None and lw.up is not None
     assert isinstance(lw.o, torch.Tensor) and isinstance(lw.down, torch.Tensor)
@@ -83,5 +93,5 @@ def quantized(w: HeadWeights, dtype: torch.dtype) -> HeadWeights:
             }
         )
     )
-    assert isinstance(w.fc, torch.Tensor) and isinstance(w.lm_head, torch.Tensor)
-    return w._replace(layer=layer, fc=quantize(w.fc, dtype), lm_head=quantize(w.lm_head, dtype))
+    assert isinstance(fc, torch.Tensor) and isinstance(lm_head, torch.Tensor)
+    return quantize(fc, dtype), layer, quantize(lm_head, dtype)

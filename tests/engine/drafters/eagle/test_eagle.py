@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.builder import head_runner
 from engine.drafters.eagle.drafter import WINDOW, EagleDrafter
 from engine.kcontrol.controller import FixedK
 from engine.model.runner import ModelRunner
@@ -102,7 +103,8 @@ def fresh_cache(drafter: EagleDrafter, target, seq, skip: tuple[int, int] = (0, 
     at, n = skip
     feats = torch.cat([feats[:at], feats[at + n :]])  # position p pairs with token p + 1:
     ids = ids[: at + 1] + ids[at + n + 1 :]  # the tokens after the kept positions, in order
-    fresh = EagleDrafter(drafter.head, drafter.embed, 1, 256, drafter.vocab_size)
+    own = head_runner(drafter.head, target.model.embed_tokens, 1, 256)
+    fresh = EagleDrafter(drafter.head, own, drafter.vocab_size)
     fresh.cache.allocate(0)
     fresh.pending[0], fresh.pending_n[0], fresh.real[0] = [feats], len(feats), 0
     fresh.skipped[0] = 0
@@ -253,7 +255,7 @@ def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled, topk, mo
     """Draft trees (the chain of K = 3 plus 4 nodes: runners-up as leaves, or EAGLE-2's
     expansion with top 3: round/draft_tree.py, eagle/expand.py) in ragged batches beside chains
     (a row with a logit bias stays a chain: draft_tree.may_grow), eager and on the compiled path
-    (its graphs replayed with the tree mask; the head's masked steps compiled): greedy output
+    (its graphs replayed with the tree mask; the head's chained steps compiled): greedy output
     is plain decoding's, and paths ended at leaves (expanded: below runners-up too)."""
     from engine.kcontrol.controller import FixedK
     from engine.model.compiled import CompileConfig
@@ -275,7 +277,7 @@ def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled, topk, mo
     deep = helpers.spy_deep_paths(monkeypatch)
     if compiled:
         eagle.warm_up()
-        before = eagle.target.fast.calls
+        before, head_before = eagle.target.fast.calls, eagle.drafter.head_runner.fast.calls
     out = eagle.generate(ps, params, SpecParams(k=3))
     assert [s.output_ids for s in out] == ref
     helpers.assert_speculated(out)
@@ -286,8 +288,8 @@ def test_draft_trees_greedy_equal_plain_beside_chains(target, compiled, topk, mo
     assert (sum(deep) > 0) == bool(topk), sum(deep)
     if compiled:
         assert eagle.target.fast.calls > before and eagle.target.fast is not None
-        masked = [key[3] for key in eagle.drafter.forward.graphs]  # the head's compiled graphs
-        assert any(masked) == bool(topk), masked
+        head_fast = eagle.drafter.head_runner.fast  # its ingests and chained steps compiled
+        assert head_fast is not None and head_fast.calls > head_before
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -354,7 +356,9 @@ def test_expansion_nodes_are_what_the_head_drafts_along_their_path(target, sampl
                     q_path *= float(q[(d.draft_ids == tok).nonzero()[0, 0]])
                     if depth + 1 < len(path):
                         tok_t = torch.tensor([tok])
-                        out, logits = d.chain_step(tok_t, out, [slot], [real + depth])
+                        assert d.cache.lengths[slot] == real + depth
+                        out, logits = d.chain_step(tok_t, out, [slot])
+                        d.cache.commit(slot, real + depth + 1)
                 d.cache.rollback(slot, real)
                 assert abs(float(vals[b, m]) - q_path) <= 1e-4 + 1e-3 * q_path, (path, b, m)
                 checked += 1

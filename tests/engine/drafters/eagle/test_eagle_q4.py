@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.builder import head_runner
 from engine.drafters.eagle.drafter import EagleDrafter
 from engine.drafters.eagle.q4 import dequantize, quantize, supported
-from engine.drafters.eagle.step import HeadStep, head_forward
 from engine.model.q4_matmul import GROUP, Q4Weight
 from tests import helpers
 from tests.eagle_builders import (
@@ -48,31 +48,31 @@ def test_q4_head_computes_the_dense_head_on_its_rounded_weights():
     """The 4-bit head's forward equals the dense head's with every matrix replaced by its
     rounded value: Q, K, V and gate, up fused and split back in the right order."""
     target, head = bf16_pair()
-    dense_d = EagleDrafter(head, target.model.embed_tokens, 2, 64, VOCAB)
-    assert supported(dense_d.weights, dense_d.device, dense_d.dtype) and not dense_d.q4
-    dense = dense_d.weights
-    rounded = dense._replace(
-        fc=dequantized(dense.fc).bfloat16(),
-        lm_head=dequantized(dense.lm_head).bfloat16(),
-        layer=dense.layer._replace(
-            **{f: dequantized(getattr(dense.layer, f)).bfloat16()
-               for f in ("q", "k", "v", "o", "gate", "up", "down")}
-        ),
-    )  # fmt: skip
-    d = EagleDrafter(head, target.model.embed_tokens, 2, 64, VOCAB, q4=True)
-    assert d.q4 and isinstance(d.weights.fc, Q4Weight) and isinstance(d.weights.lm_head, Q4Weight)
+    embed = target.model.embed_tokens
+    dense_r = head_runner(head, embed, 2, 64)
+    fc, layer, lm_head = dense_r.inputs.fc, dense_r.weights[0], head.lm_head.weight
+    assert supported((fc, layer, lm_head), dense_r.device, dense_r.dtype)
+    assert "+q4-" not in dense_r.path()
+    rounded = head_runner(head, embed, 2, 64)
+    with torch.no_grad():  # the dense head's matrices set to the 4-bit ones' values
+        for m, src in [(head.fc.weight, fc), (head.lm_head.weight, lm_head)]:
+            m.copy_(dequantized(src))
+        for f in ("q", "k", "v", "o", "gate", "up", "down"):
+            getattr(rounded.weights[0], f).copy_(dequantized(getattr(layer, f)))
+    r4 = head_runner(bf16_pair()[1], embed, 2, 64, q4=True)
+    assert isinstance(r4.inputs.fc, Q4Weight) and isinstance(r4.weights[0].qkv, Q4Weight)
+    assert r4.path().startswith("eager+q4-")
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 5, d.head.fc.in_features, generator=g).bfloat16()
+    x = torch.randn(2, 5, fc.shape[1], generator=g).bfloat16()
     ids = torch.randint(0, VOCAB, (2, 5), generator=g)
-    pos = torch.arange(5).expand(2, 5).clone()
-    step = HeadStep(
-        ids, x, torch.tensor([4, 2]), pos, pos, d.kv_idx[:16], torch.tensor([0, 1]), True
-    )
-    cache = (d.cache.k[0], d.cache.v[0], d.shape)
-    with torch.inference_mode():
-        o4, l4 = head_forward(step, d.weights, *cache)
-        o, lg = head_forward(step, rounded, *cache)
-    torch.testing.assert_close(o4.float(), o.float(), atol=0.05, rtol=0.05)
+    outs = []
+    for r in (r4, rounded):
+        for s in (0, 1):
+            r.cache.allocate(s)
+        f = r.forward(ids, [0, 1], [5, 3], x=x)
+        outs.append((f.output.float(), f.logits))
+    (o4, l4), (o, lg) = outs
+    torch.testing.assert_close(o4, o, atol=0.05, rtol=0.05)
     torch.testing.assert_close(l4, lg, atol=0.1, rtol=0.05)
 
 
@@ -88,5 +88,6 @@ def test_float32_heads_stay_dense():
     """No fast int4 matmul with float32 activations: the head keeps its dense weights."""
     target = helpers.tiny_llama(3, layers=LAYERS, vocab=VOCAB, hidden=HIDDEN)
     head = random_head(5, draft_vocab=VOCAB)
-    d = EagleDrafter(head, target.model.embed_tokens, 1, 64, VOCAB, q4=True)
-    assert not d.q4 and d.weights.fc is head.fc.weight and d.weights.lm_head is head.lm_head.weight
+    r = head_runner(head, target.model.embed_tokens, 1, 64, q4=True)
+    assert not EagleDrafter(head, r, VOCAB).q4 and r.inputs.fc is head.fc.weight
+    assert "+q4-" not in r.path()
