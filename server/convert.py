@@ -102,7 +102,6 @@ def refuse_unsupported(req: _Sampling) -> None:
         raise bad("beam search is not supported", "use_beam_search", "unsupported_parameter")
     refusals = {
         "length_penalty": (req.length_penalty != 1.0, "applies to beam search, not supported"),
-        "bad_words": (bool(req.bad_words), "is not supported"),
         "logits_processors": (bool(req.logits_processors), "is not supported"),
         "priority": (req.priority != 0, "is not supported (no priority scheduling): send 0"),
         "prompt_logprobs": (
@@ -202,6 +201,7 @@ def _params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     grammar: str | None = None,
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     room = capacity.max_model_len - prompt_len
     if room <= 0:
@@ -242,6 +242,7 @@ def _params(
         min_tokens=req.min_tokens,
         stop_token_ids=_token_ids(req.stop_token_ids, capacity.vocab_size, "stop_token_ids"),
         allowed_token_ids=allowed,
+        bad_words=bad_words,
         max_tokens=max_tokens,
         seed=req.seed,
         logprobs=logprobs,
@@ -254,6 +255,31 @@ def _params(
         deterministic=_deterministic(req, capacity),
         ignore_eos=req.ignore_eos,
     )
+
+
+# bad_words a request may hold: the engine matches each at every verified position on the host
+MAX_BAD_WORDS = 1024
+
+
+def _bad_words(req: _Sampling, tokenizer: Any, vocab: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token sequences (vLLM's SamplingParams.update_from_tokenizer):
+    each word as the text would start with it, and -- where a leading space makes another
+    sequence of as many tokens, as a word inside the text is written -- that one too."""
+    words = req.bad_words or []
+    if len(words) > MAX_BAD_WORDS:
+        raise bad(f"bad_words may hold at most {MAX_BAD_WORDS} words", "bad_words")
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise bad("bad_words must not hold empty or blank words", "bad_words")
+        out.append(tuple(plain))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+    if any(not 0 <= t < vocab for w in out for t in w):
+        raise bad(f"bad_words must encode to token ids in [0, {vocab})", "bad_words")
+    return tuple(out)
 
 
 def _first(*values):
@@ -324,8 +350,9 @@ def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
     longest = max(len(x) for x in prompts)
     prompt_lp = req.logprobs if req.echo else None  # echo + logprobs: the prompt's too
     grammar = grammar_for(req, grammars)
+    banned = _bad_words(req, tokenizer, capacity.vocab_size)
     params = _params(
-        req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp, grammar
+        req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp, grammar, banned
     )
     job = Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
     return _output_options(job, req)
@@ -450,7 +477,8 @@ def chat_job(req: ChatCompletionRequest, ctx: JobContext) -> Job:
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     grammar = grammar_for(req, grammars, tools.schema if tools is not None else None)
-    params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs, None, grammar)
+    banned = _bad_words(req, tokenizer, capacity.vocab_size)
+    params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs, None, grammar, banned)
     job = Job([ids], params, _spec(req, s, capacity), req.n, stop, tools=tools)
     job.chat_echo = _chat_echo(req) if tools is None else ""
     return _output_options(job, req)

@@ -35,6 +35,9 @@ class ChoiceEvent:
     logprobs: list[TokenLP] | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLP] | None = None  # on a choice's first event, when asked for
+    # vLLM's stop_reason, with finish_reason "stop": the stop string or stop token id that ended
+    # the choice; None where the model's EOS ended it (or it did not stop)
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -153,13 +156,23 @@ class JobRun:
                 lps = self._logprobs(out, used)
                 scored = self._prompt_logprobs(prompt, out)
                 if stops.stopped:
-                    yield ChoiceEvent(index, text, lps, "stop", scored)
+                    yield ChoiceEvent(index, text, lps, "stop", scored, stops.matched)
                     return
-                reason = None
+                reason, why = None, None
                 if out.finished:
                     reason = "length" if out.finish_reason == "length" else "stop"
+                    if reason == "stop" and out.new_token_ids:
+                        why = self._stop_token(out.new_token_ids[-1])
                 if text or lps or reason or scored:
-                    yield ChoiceEvent(index, text, lps, reason, scored)
+                    yield ChoiceEvent(index, text, lps, reason, scored, why)
+
+    def _stop_token(self, t: int) -> int | None:
+        """vLLM's stop_reason for a choice ended by token ``t``: None for the tokenizer's EOS
+        (unless ignore_eos: then only stop_token_ids stop it), else ``t`` itself -- one of
+        stop_token_ids or another of the model's end tokens (generation_config's eos_token_id,
+        which vLLM adds to stop_token_ids)."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return None if t == eos and not self.job.params.ignore_eos else t
 
     def _count(self, out: StepOutput, used: int) -> None:
         self.tally.completion_tokens += used

@@ -277,6 +277,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id
 
 
 class CompletionResponse(_Omit):
@@ -332,6 +333,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id
 
 
 class ChatCompletionResponse(BaseModel):
@@ -358,6 +360,7 @@ class ChatChunkChoice(BaseModel):
     delta: Delta
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id
 
 
 class ChatCompletionChunk(BaseModel):

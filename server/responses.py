@@ -146,7 +146,10 @@ def tool_choices(mode: ToolMode) -> Callable[[ChoiceEvent], list[BaseModel]]:
         if content is not None and calls is None and not reader.streamed_anything:
             out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(content=content)))
         reason = finish_reason(mode, calls, ev.finish_reason)
-        out.append(P.ChatChunkChoice(index=ev.index, delta=P.Delta(), finish_reason=reason))
+        last = P.ChatChunkChoice(
+            index=ev.index, delta=P.Delta(), finish_reason=reason, stop_reason=ev.stop_reason
+        )
+        out.append(last)
         return out
 
     return choices

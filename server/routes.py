@@ -94,6 +94,10 @@ def _finish(evs: list[ChoiceEvent]) -> str | None:
     return evs[-1].finish_reason if evs else None
 
 
+def _stop_reason(evs: list[ChoiceEvent]) -> int | str | None:
+    return evs[-1].stop_reason if evs else None
+
+
 def add_generation_routes(app: FastAPI, s: Serving) -> None:
     @app.post(
         "/v1/completions", response_model=P.CompletionResponse, responses=GENERATION_RESPONSES
@@ -126,7 +130,11 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                     if lp.tokens:
                         offsets[ev.index] = lp.text_offset[-1] + len(lp.tokens[-1])
                 return P.CompletionChoice(
-                    index=ev.index, text=text, logprobs=lp, finish_reason=ev.finish_reason
+                    index=ev.index,
+                    text=text,
+                    logprobs=lp,
+                    finish_reason=ev.finish_reason,
+                    stop_reason=ev.stop_reason,
                 )
 
             head = echoed if echo_first else []
@@ -139,7 +147,13 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
             lp = completion_logprobs(evs, 0) if want_lp else None
             text = prefix + "".join(e.text for e in evs)
             choices.append(
-                P.CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=_finish(evs))
+                P.CompletionChoice(
+                    index=i,
+                    text=text,
+                    logprobs=lp,
+                    finish_reason=_finish(evs),
+                    stop_reason=_stop_reason(evs),
+                )
             )
         return build(choices, usage(run))
 
@@ -172,6 +186,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                     index=ev.index,
                     delta=P.Delta(content=ev.text) if ev.text else P.Delta(),
                     finish_reason=ev.finish_reason,
+                    stop_reason=ev.stop_reason,
                     logprobs=chat_logprobs([ev]) if req.logprobs else None,
                 )
 
@@ -196,6 +211,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                     message=P.AssistantMessage(content=content, tool_calls=calls),
                     logprobs=chat_logprobs(evs) if req.logprobs else None,
                     finish_reason=reason,
+                    stop_reason=_stop_reason(evs),
                 )
             )
         build = envelope(P.ChatCompletionResponse, run, req.model, created, s.fingerprint)

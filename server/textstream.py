@@ -50,6 +50,7 @@ class StopFilter:
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that stopped it (vLLM's stop_reason)
 
     def feed(self, text: str, final: bool = False, search: bool = True) -> str:
         """Text that is safe to send now. After a stop string is seen, ``stopped`` is True and
@@ -60,12 +61,12 @@ class StopFilter:
             return ""
         buf = self.pending + text
         found = [
-            (i, len(s))
+            (i, len(s), s)
             for s in self.stops
             if search and (i := buf.find(s, max(0, len(self.pending) - len(s) + 1))) >= 0
         ]
         if found:
-            cut, size = min(found, key=lambda f: f[0])
+            cut, size, self.matched = min(found, key=lambda f: f[0])
             self.stopped, self.pending = True, ""
             return buf[: cut + size] if self.include else buf[:cut]
         if final or self.hold == 0:

@@ -14,9 +14,9 @@ For every row of a round that samples (temperature > 0) and drafted n > 0 tokens
     position or cache off by one, or a rolled-back cache that kept a rejected token fails here.
 Greedy rows: the argmax of what the rule gets equals the reference's argmax.
 
-Rows with penalties, a logit bias, a grammar, allowed tokens or min_tokens are processed beyond
-what the reference knows (min_p it knows):
-their p is not checked (counted in ``skipped``); a grammar's forced run reports a one-hot q.
+Rows with penalties, a logit bias, a grammar, allowed tokens, bad words or min_tokens are
+processed beyond what the reference knows (min_p it knows): their p is not checked (counted in
+``skipped``); a grammar's forced run reports a one-hot q.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ class RoundAudit:
                 or prm.grammar is not None
                 or prm.min_tokens
                 or prm.allowed_token_ids is not None
+                or prm.bad_words
             ):
                 self.skipped += 1
                 continue

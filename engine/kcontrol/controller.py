@@ -69,6 +69,7 @@ from engine.kcontrol.calibration import calibrate
 from engine.kcontrol.cost import CostModel, RoundCost
 from engine.kcontrol.probe import Prober
 from engine.records.kstate import KState, leaf_reach
+from engine.round.rules import multi_token_bad_words
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -383,16 +384,18 @@ class AdaptiveK(KController):
 
 
 def may_grow(seq: Sequence) -> bool:
-    """Whether a row may be verified as a tree: not under a grammar, penalties, logit bias or
-    a min_tokens not yet reached (their processing reads a row's drafts as a chain:
-    penalties.py, grammar.py, rules.py), nor seeded (a seeded row's draws follow its own K
-    alone: plan.py) or deterministic (the batch-invariant forward verifies chains)."""
+    """Whether a row may be verified as a tree: not under a grammar, penalties, logit bias,
+    a min_tokens not yet reached or a bad word of several tokens (their processing reads a
+    row's drafts as a chain: penalties.py, grammar.py, rules.py), nor seeded (a seeded row's
+    draws follow its own K alone: plan.py) or deterministic (the batch-invariant forward
+    verifies chains)."""
     p = seq.params
     short = len(seq.output_ids) < p.min_tokens
     return (
         seq.matcher is None
         and not p.penalized
         and not short
+        and not multi_token_bad_words(seq)
         and p.seed is None
         and not p.deterministic
     )

@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # no stop token (EOS, stop_token_ids) may end the output before this
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: any)
+    # vLLM's bad_words as token sequences: a word's last token may not follow the rest of it
+    # in the output (a one-token word never comes) (engine/round/rules.py)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: plus the top n
     prompt_logprobs: int | None = None  # the same for every prompt token (the model's own)
     # logit processing before temperature (penalties.py): OpenAI's, and repetition (1 = off)
@@ -58,6 +61,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if any(not w for w in self.bad_words):
+            raise ValueError("bad_words must not hold an empty token sequence")
 
     @property
     def penalized(self) -> bool:
@@ -71,10 +76,11 @@ class SamplingParams:
 
     @property
     def ruled(self) -> bool:
-        """Whether any sampling rule of engine/round/rules.py (allowed tokens, min_tokens,
-        min_p) applies to this request."""
+        """Whether any sampling rule of engine/round/rules.py (allowed tokens, bad words,
+        min_tokens, min_p) applies to this request."""
         return bool(
             self.allowed_token_ids is not None
+            or self.bad_words
             or self.min_tokens
             or (self.min_p > 0 and not self.greedy)
         )

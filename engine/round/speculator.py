@@ -266,14 +266,14 @@ class Speculator:
         drafts: torch.Tensor,
         num_draft: list[int],
     ) -> torch.Tensor:
-        """Bias, penalties, the grammar mask, then vLLM's sampling rules (allowed tokens,
-        min_tokens, min_p), at every verified position i as plain decoding would apply them
+        """Bias, penalties, the grammar mask, then vLLM's sampling rules (allowed tokens, bad
+        words, min_tokens, min_p), at every verified position i as plain decoding would apply them
         after d_1..d_i (penalties.py, grammar.py, rules.py)."""
         logits = apply_penalties(logits, seqs, drafts)
         if any(s.matcher is not None for s in seqs):  # the drafts on the host (grammar rows)
             host = [row[:n] for row, n in zip(drafts.tolist(), num_draft)]
             logits = apply_grammar(logits, seqs, host)
-        return apply_rules(logits, seqs, self.scheduler.eos_token_ids)
+        return apply_rules(logits, seqs, self.scheduler.eos_token_ids, drafts)
 
     @staticmethod
     def _probs(logits: torch.Tensor, plan: RoundPlan, top_n: int | None) -> torch.Tensor:

@@ -5,6 +5,7 @@ request beside it is served unharmed. A field neither vLLM nor OpenAI knows is s
 Comparisons of speculation with plain decoding prove speculation ran (``usage.speculation``)."""
 
 import asyncio
+import itertools
 import json
 import re
 
@@ -84,7 +85,6 @@ def token_ids(choice) -> list[int]:
 REFUSED = [
     ("use_beam_search", True),
     ("length_penalty", 0.5),
-    ("bad_words", ["red"]),
     ("logits_processors", ["my.Processor"]),
     ("priority", 1),
     ("prompt_logprobs", 1),
@@ -305,6 +305,85 @@ def test_allowed_token_ids_restrict_the_output(http, live):
     )  # fmt: skip
     assert set(token_ids(r["choices"][0])) <= set(allowed)
     assert r["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_bad_words_never_come_and_speculation_changes_nothing(http, live):
+    """Greedy, the prompt repeating "red green blue": the free answer goes on with " blue";
+    with bad_words ["blue"] neither " blue" nor "blue" is written, the same with speculation
+    (the n-gram drafter proposes the banned copy: rejected) as without; a multi-token word is
+    banned only after its start: the answer then differs from the free one from the word's
+    last token on. Empty words are refused, naming the field."""
+    ask = dict(max_tokens=24, temperature=0, logprobs=0, return_tokens_as_token_ids=True)
+    free = complete(http, **ask, **PLAIN)["choices"][0]
+    assert " blue" in free["text"]
+    on = complete(http, **ask, bad_words=["blue"], speculation={"k": 4})
+    off = complete(http, **ask, bad_words=["blue"], **PLAIN)
+    assert token_ids(on["choices"][0]) == token_ids(off["choices"][0])
+    banned = {live.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("blue", " blue")}
+    assert not banned & set(token_ids(on["choices"][0]))
+    assert "blue" not in on["choices"][0]["text"]
+    assert_speculated([spec_of(on)])
+    # a two-token word: " green blue" ("green" is free, "blue" after it is not)
+    two = " green blue"
+    ids = live.tokenizer.encode(two, add_special_tokens=False)
+    assert len(ids) == 2
+    out = token_ids(complete(http, **ask, bad_words=[two], speculation={"k": 4})["choices"][0])
+    free_ids = token_ids(free)
+    assert ids[0] in out and list(itertools.pairwise(out)).count(tuple(ids)) == 0
+    first = next(i for i in range(len(free_ids) - 1) if free_ids[i : i + 2] == ids)
+    assert out[: first + 1] == free_ids[: first + 1] and out[first + 1] != ids[1]
+    for words in ([""], ["   "]):
+        r = http.post("/completions", json={"model": MODEL, "prompt": PROMPT, "bad_words": words})
+        assert_error(r, 400, "bad_words")
+
+
+def test_stop_reason_names_what_ended_each_choice(http, live):
+    """vLLM's stop_reason: the stop string, or the stop token id, that ended a choice; null
+    where the model's EOS or max_tokens ended it -- in completions and chat, streamed and not,
+    for each of n choices."""
+    ask = dict(max_tokens=24, temperature=0)
+    # a stop string (two listed: the one that matched)
+    c = complete(http, **ask, stop=["purple", " blue"], n=2)["choices"]
+    assert [(x["finish_reason"], x["stop_reason"]) for x in c] == [("stop", " blue")] * 2
+    # a stop token id (an int); max_tokens: null
+    blue = live.tokenizer.encode(" blue", add_special_tokens=False)[0]
+    c = complete(http, **ask, stop_token_ids=[blue], speculation={"k": 4})["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", blue)
+    c = complete(http, max_tokens=3, temperature=0)["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
+    # chat: the answer ends at the EOS: null; with ignore_eos the EOS as a stop id: its id
+    eos = live.tokenizer.eos_token_id
+    c = chat(http, max_tokens=64, temperature=0)["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", None)
+    c = chat(http, max_tokens=64, temperature=0, ignore_eos=True, stop_token_ids=[eos])
+    assert (c["choices"][0]["finish_reason"], c["choices"][0]["stop_reason"]) == ("stop", eos)
+    # streamed chat, n = 2, a stop string: each choice's last chunk carries it, the others null
+    r = http.post(
+        "/chat/completions",
+        json={
+            "model": MODEL, "messages": HELLO, "stream": True, "n": 2, "max_tokens": 64,
+            "temperature": 0, "stop": ["!"],
+        },
+    )  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    ends = {}
+    for ch in chunks:
+        for x in ch["choices"]:
+            if x["finish_reason"]:
+                ends[x["index"]] = (x["finish_reason"], x["stop_reason"])
+            else:
+                assert x["stop_reason"] is None
+    assert ends == {0: ("stop", "!"), 1: ("stop", "!")}
+    # streamed completion: a stop token id
+    r = http.post(
+        "/completions",
+        json={"model": MODEL, "prompt": PROMPT, "stream": True, **ask, "stop_token_ids": [blue]},
+    )
+    last = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")][-1]
+    assert (last["choices"][0]["finish_reason"], last["choices"][0]["stop_reason"]) == (
+        "stop",
+        blue,
+    )
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, live):

@@ -1,15 +1,18 @@
-"""engine/round/rules.py: allowed_token_ids, min_tokens and min_p match their definitions at every
-verified position (the drafts before a position counted as output), greedy output with them is
-the same with speculation as without and as an independent reference decoder, a min_tokens
-output runs past where it would have stopped, and sampled output with them follows the processed
-target's exact distribution -- a test that rejects an engine whose min_tokens ignores the drafts
-before each position."""
+"""engine/round/rules.py: allowed_token_ids, bad_words, min_tokens and min_p match their
+definitions at every verified position (the drafts before a position counted as output), greedy
+output with them is the same with speculation as without and as an independent reference decoder,
+a min_tokens output runs past where it would have stopped, a bad word never comes where it came
+without the rule, and sampled output with them follows the processed target's exact distribution
+-- tests that reject an engine whose min_tokens or bad words ignore the drafts before each
+position."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
+from engine.kcontrol.controller import may_grow
 from engine.records.params import SamplingParams, SpecParams
 from engine.records.sequence import Sequence
 from engine.round import speculator as round_module
@@ -30,13 +33,22 @@ def tiny(seed):
 
 
 def reference(logits: list[float], output: list[int], p: SamplingParams, eos=EOS) -> list[float]:
-    """The rules' definitions, token by token (no tensors): allowed tokens, min_tokens' masked
-    stop tokens (unless nothing else is left), then min_p on the probabilities after the
-    temperature."""
+    """The rules' definitions, token by token (no tensors): allowed tokens, bad words (a word's
+    last token out where the output ends with the rest of it; unless nothing else is left),
+    min_tokens' masked stop tokens (unless nothing else is left), then min_p on the
+    probabilities after the temperature."""
     ninf = -math.inf
     x = list(logits)
     if p.allowed_token_ids is not None:
         x = [v if j in p.allowed_token_ids else ninf for j, v in enumerate(x)]
+    banned = {
+        w[-1]
+        for w in p.bad_words
+        if len(w) - 1 <= len(output) and output[len(output) - (len(w) - 1) :] == list(w[:-1])
+    }
+    masked = [ninf if j in banned else v for j, v in enumerate(x)]
+    if any(v > ninf for v in masked):
+        x = masked
     stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
     if len(output) < p.min_tokens:
         masked = [ninf if j in stops else v for j, v in enumerate(x)]
@@ -80,6 +92,40 @@ def test_every_position_counts_the_drafts_before_it():
     cornered = Sequence("c", [1], only_stop, SpecParams())
     out = apply_rules(logits, [cornered], EOS)
     assert torch.isfinite(out[0, :, 5]).all() and out[0].isfinite().sum() == 5
+
+
+def test_bad_words_at_every_position_count_the_drafts_before_it():
+    """A word's last token is banned where the output so far, with the drafts before the
+    position, ends with the rest of the word; the prompt does not count (vLLM's rule); a
+    one-token word is banned everywhere; a ban that would leave nothing is not applied."""
+    torch.manual_seed(1)
+    words = ((4,), (6, 1), (3, 6, 2), (7, 7))
+    p = SamplingParams(temperature=0.8, bad_words=words)
+    seq = Sequence("r", [6, 3, 6], p, SpecParams())  # the prompt ends with 3, 6: not counted
+    seq.append([3])
+    drafts = [6, 1, 6, 7, 7]
+    logits = torch.randn(1, 6, V) * 3
+    got = apply_rules(logits, [seq], EOS, torch.tensor([drafts]))
+    for i in range(6):
+        want = reference(logits[0, i].tolist(), [3] + drafts[:i], p)
+        assert got[0, i].tolist() == pytest.approx(want, abs=1e-5), i
+    banned = [{j for j in range(V) if math.isinf(got[0, i, j])} for i in range(6)]
+    # 4 everywhere; 2 after 3, 6 (position 1: output 3 + d_1 = 6); 1 after 6 (positions 1, 3);
+    # 7 after 7 (positions 4, 5)
+    assert banned == [{4}, {4, 1, 2}, {4}, {4, 1}, {4, 7}, {4, 7}]
+    # the prompt alone (no output yet) bans only the one-token word
+    fresh = Sequence("f", [3, 6], p, SpecParams())
+    first = apply_rules(logits[:, :1], [fresh], EOS)
+    assert {j for j in range(V) if math.isinf(first[0, 0, j])} == {4}
+    # nothing else left (allowed_token_ids (4,)): the position is left as the allowed rule made it
+    cornered = Sequence(
+        "c", [1], SamplingParams(allowed_token_ids=(4,), bad_words=((4,),)), SpecParams()
+    )
+    out = apply_rules(logits[:, :1], [cornered], EOS)
+    assert torch.isfinite(out[0, 0, 4]) and out[0, 0].isfinite().sum() == 1
+    # a row with a multi-token word verifies chains only; one-token words may grow a tree
+    assert not may_grow(seq)
+    assert may_grow(Sequence("t", [1], SamplingParams(bad_words=((4,),)), SpecParams()))
 
 
 def reference_greedy(model, prompt: list[int], p: SamplingParams, n: int) -> list[int]:
@@ -128,6 +174,37 @@ def test_greedy_with_rules_is_exact_under_speculation(drafter):
     assert set(spec[1].output_ids) <= {1, 2, 4, 6}
 
 
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_greedy_with_bad_words_is_exact_under_speculation(drafter):
+    """Bad words taken from each prompt's plain greedy output (its first token; the pair at its
+    third and fourth): with them, greedy output under speculation equals plain decoding and the
+    reference decoder, and neither word comes again where it came without them. The draft
+    model is the target itself: it proposes the raw argmax, the banned words among them, which
+    the rule must reject (and accepts the rest)."""
+    models = tiny(1), tiny(1)
+    prompts = [PROMPT, [1, 2, 1, 2, 1, 2], [0, 4, 4, 4]]
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain_engine = engine_for(models, None, slots=3, max_len=32, eos=EOS)
+    control = [s.output_ids for s in plain_engine.generate(prompts, [free] * 3)]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, bad_words=((o[0],), (o[2], o[3]))
+        )
+        for o in control
+    ]
+    spec = engine_for(models, drafter, slots=3, max_len=32, eos=EOS).generate(
+        prompts, params, SpecParams(k=4)
+    )
+    plain = engine_for(models, None, slots=3, max_len=32, eos=EOS).generate(prompts, params)
+    for s, q, prompt, p, o in zip(spec, plain, prompts, params, control):
+        assert s.output_ids == q.output_ids == reference_greedy(models[0], prompt, p, 12)
+        out = s.output_ids
+        assert o[0] not in out and out != o  # the one-token word never comes
+        pairs = list(itertools.pairwise(out))
+        assert (o[2], o[3]) not in pairs  # nor the second token of the pair after its first
+    assert_speculated(spec)
+
+
 def exact_joint_ruled(model, p: SamplingParams, n_tokens: int) -> dict:
     """P(output) of every output of at most ``n_tokens`` tokens, by the suite's enumerator, with
     the rules of :func:`reference` before the temperature."""
@@ -139,7 +216,7 @@ def exact_joint_ruled(model, p: SamplingParams, n_tokens: int) -> dict:
     return exact_joint(model, PROMPT, n_tokens, p.temperature, stop=stops, process=process)
 
 
-def _ignoring_drafts(logits, seqs, eos):
+def _ignoring_drafts(logits, seqs, eos, drafts=None):
     """Wrong: every verified position ruled as if no draft came before it."""
     cols = [apply_rules(logits[:, i : i + 1], seqs, eos) for i in range(logits.shape[1])]
     return torch.cat(cols, dim=1)
@@ -200,6 +277,6 @@ def test_every_min_p_round_is_what_it_should_be(drafter, monkeypatch):
                 probs = torch.softmax(models[0](ids).logits[0, -1].double(), -1)
             assert probs[t] >= 0.3 * probs.max() - 1e-6
     # the control: min_p not applied in the round fails the audit
-    monkeypatch.setattr(round_module, "apply_rules", lambda logits, seqs, eos: logits)
+    monkeypatch.setattr(round_module, "apply_rules", lambda logits, seqs, eos, drafts: logits)
     wrong, _ = audited()
     assert wrong.failures
