@@ -65,6 +65,7 @@ class Job:
     skip_special: bool = True  # special tokens' text left out of the output
     token_ids: bool = False  # logprobs' tokens as "token_id:<id>" (vLLM's)
     chat_echo: str = ""  # chat ``echo``: the last (assistant) message's text leads the answer
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs with the top N, or None
 
 
 def check_model(name: str, served: list[str]) -> None:
@@ -104,10 +105,6 @@ def refuse_unsupported(req: _Sampling) -> None:
         "length_penalty": (req.length_penalty != 1.0, "applies to beam search, not supported"),
         "logits_processors": (bool(req.logits_processors), "is not supported"),
         "priority": (req.priority != 0, "is not supported (no priority scheduling): send 0"),
-        "prompt_logprobs": (
-            req.prompt_logprobs is not None,
-            "is not supported: ask /v1/completions with echo and logprobs",
-        ),
         "cache_salt": (req.cache_salt is not None, "is not supported"),
         "kv_transfer_params": (bool(req.kv_transfer_params), "is not supported"),
         "vllm_xargs": (bool(req.vllm_xargs), "is not supported"),
@@ -282,6 +279,20 @@ def _bad_words(req: _Sampling, tokenizer: Any, vocab: int) -> tuple[tuple[int, .
     return tuple(out)
 
 
+def _prompt_logprobs(req: _Sampling, s: ServerSettings) -> int | None:
+    """vLLM's ``prompt_logprobs``: the top N alternatives at each prompt token (0: the token's
+    own only). Not with ``stream`` (vLLM's rule: a stream has no place for them); -1 (vLLM's
+    whole vocabulary) and values above the server's max_logprobs are refused."""
+    n = req.prompt_logprobs
+    if n is None:
+        return None
+    if req.stream:
+        raise bad("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    if not 0 <= n <= s.max_logprobs:
+        raise bad(f"prompt_logprobs must be in [0, {s.max_logprobs}]", "prompt_logprobs")
+    return n
+
+
 def _first(*values):
     """The first value that is set (the request's, then the defaults': module doc)."""
     return next(v for v in values if v is not None)
@@ -348,13 +359,17 @@ def completion_job(req: CompletionRequest, ctx: JobContext) -> Job:
             raise bad(f"prompt token ids must be in [0, {capacity.vocab_size})", "prompt")
     stop = _stops(req, s)
     longest = max(len(x) for x in prompts)
-    prompt_lp = req.logprobs if req.echo else None  # echo + logprobs: the prompt's too
+    # echo + logprobs, and vLLM's prompt_logprobs: the prompt is scored (the larger top N)
+    echoed = req.logprobs if req.echo else None
+    asked = [n for n in (echoed, _prompt_logprobs(req, s)) if n is not None]
+    prompt_lp = max(asked) if asked else None
     grammar = grammar_for(req, grammars)
     banned = _bad_words(req, tokenizer, capacity.vocab_size)
     params = _params(
         req, s, capacity, longest, req.max_tokens, 16, req.logprobs, prompt_lp, grammar, banned
     )
     job = Job(prompts, params, _spec(req, s, capacity), req.n, stop, req.echo)
+    job.prompt_logprobs = req.prompt_logprobs
     return _output_options(job, req)
 
 
@@ -478,7 +493,11 @@ def chat_job(req: ChatCompletionRequest, ctx: JobContext) -> Job:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     grammar = grammar_for(req, grammars, tools.schema if tools is not None else None)
     banned = _bad_words(req, tokenizer, capacity.vocab_size)
-    params = _params(req, s, capacity, len(ids), max_tokens, None, logprobs, None, grammar, banned)
+    prompt_lp = _prompt_logprobs(req, s)
+    params = _params(
+        req, s, capacity, len(ids), max_tokens, None, logprobs, prompt_lp, grammar, banned
+    )
     job = Job([ids], params, _spec(req, s, capacity), req.n, stop, tools=tools)
+    job.prompt_logprobs = prompt_lp
     job.chat_echo = _chat_echo(req) if tools is None else ""
     return _output_options(job, req)

@@ -34,10 +34,13 @@ class ChoiceEvent:
     text: str
     logprobs: list[TokenLP] | None = None
     finish_reason: str | None = None
-    prompt_logprobs: list[TokenLP] | None = None  # on a choice's first event, when asked for
+    prompt_logprobs: list[TokenLP] | None = None  # echo + logprobs: on a choice's first event
     # vLLM's stop_reason, with finish_reason "stop": the stop string or stop token id that ended
     # the choice; None where the model's EOS ended it (or it did not stop)
     stop_reason: int | str | None = None
+    # vLLM's prompt_logprobs (Job.prompt_logprobs), on a choice's first event: per prompt token
+    # None (the first) or token id -> {"logprob", "rank", "decoded_token"}
+    vllm_prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
 
 
 @dataclass
@@ -155,16 +158,17 @@ class JobRun:
                 self._count(out, used)
                 lps = self._logprobs(out, used)
                 scored = self._prompt_logprobs(prompt, out)
+                vllm_scored = self._vllm_prompt_logprobs(prompt, out)
                 if stops.stopped:
-                    yield ChoiceEvent(index, text, lps, "stop", scored, stops.matched)
+                    yield ChoiceEvent(index, text, lps, "stop", scored, stops.matched, vllm_scored)
                     return
                 reason, why = None, None
                 if out.finished:
                     reason = "length" if out.finish_reason == "length" else "stop"
                     if reason == "stop" and out.new_token_ids:
                         why = self._stop_token(out.new_token_ids[-1])
-                if text or lps or reason or scored:
-                    yield ChoiceEvent(index, text, lps, reason, scored, why)
+                if text or lps or reason or scored or vllm_scored:
+                    yield ChoiceEvent(index, text, lps, reason, scored, why, vllm_scored)
 
     def _stop_token(self, t: int) -> int | None:
         """vLLM's stop_reason for a choice ended by token ``t``: None for the tokenizer's EOS
@@ -194,15 +198,37 @@ class JobRun:
         ]
 
     def _prompt_logprobs(self, prompt: list[int], out: StepOutput) -> list[TokenLP] | None:
-        if out.prompt_logprobs is None:
+        """echo + logprobs: the prompt's tokens in the legacy logprobs (the top ``logprobs``;
+        the engine may have scored more for prompt_logprobs)."""
+        if out.prompt_logprobs is None or not self.job.echo or self.job.params.logprobs is None:
             return None
-        text = self._token_text
+        text, n = self._token_text, self.job.params.logprobs
         return [
             TokenLP(text(t), None, [])
             if lp is None
-            else TokenLP(text(t), lp.logprob, [(text(i), v) for i, v in lp.top])
+            else TokenLP(text(t), lp.logprob, [(text(i), v) for i, v in lp.top[:n]])
             for t, lp in zip(prompt, out.prompt_logprobs)
         ]
+
+    def _vllm_prompt_logprobs(
+        self, prompt: list[int], out: StepOutput
+    ) -> list[dict[int, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs: at each prompt token after the first, the token itself (its
+        logprob, rank, text), then the top ``prompt_logprobs`` with ranks 1..N."""
+        n = self.job.prompt_logprobs
+        if n is None or out.prompt_logprobs is None:
+            return None
+        text = self._token_text
+        rows: list[dict[int, dict[str, Any]] | None] = []
+        for t, lp in zip(prompt, out.prompt_logprobs):
+            if lp is None:
+                rows.append(None)
+                continue
+            row = {t: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text(t)}}
+            for r, (i, v) in enumerate(lp.top[:n], 1):
+                row.setdefault(i, {"logprob": v, "rank": r, "decoded_token": text(i)})
+            rows.append(row)
+        return rows
 
     async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         """Events of every choice, interleaved as they come; choice index = prompt * n + i."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_serializer
 
 INT64 = 2**63
 
@@ -272,12 +272,30 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
-class CompletionChoice(BaseModel):
+class PromptTokenLogprob(BaseModel):
+    """vLLM's Logprob: one token's log-probability at a prompt position, its rank among all
+    tokens there (1: the most probable) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first (nothing to score it on), else
+# token id -> its Logprob: the prompt's own token, then the top N
+PromptLogprobs = list[dict[int, PromptTokenLogprob] | None]
+PROMPT_LOGPROBS: TypeAdapter[PromptLogprobs] = TypeAdapter(PromptLogprobs)
+
+
+class CompletionChoice(_Omit):
+    omit_null = ("prompt_logprobs",)  # only when asked for (vLLM's prompt_logprobs)
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Omit):
@@ -336,7 +354,9 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Omit):
+    omit_null = ("prompt_logprobs",)  # only when asked for (vLLM's prompt_logprobs)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -344,6 +364,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, of the conversation's tokens
 
 
 class Delta(_Omit):

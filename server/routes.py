@@ -98,6 +98,10 @@ def _stop_reason(evs: list[ChoiceEvent]) -> int | str | None:
     return evs[-1].stop_reason if evs else None
 
 
+def _vllm_prompt_logprobs(evs: list[ChoiceEvent]):
+    return next((e.vllm_prompt_logprobs for e in evs if e.vllm_prompt_logprobs is not None), None)
+
+
 def add_generation_routes(app: FastAPI, s: Serving) -> None:
     @app.post(
         "/v1/completions", response_model=P.CompletionResponse, responses=GENERATION_RESPONSES
@@ -153,6 +157,7 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                     logprobs=lp,
                     finish_reason=_finish(evs),
                     stop_reason=_stop_reason(evs),
+                    prompt_logprobs=_vllm_prompt_logprobs(evs),
                 )
             )
         return build(choices, usage(run))
@@ -197,7 +202,9 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
             return EventStream(chunks, run.reservation)
 
         choices = []
+        scored = None  # vLLM's prompt_logprobs of the conversation (every choice has them)
         for i, evs in enumerate(await collect(request, run)):
+            scored = scored or _vllm_prompt_logprobs(evs)
             text = "".join(e.text for e in evs)
             content: str | None = job.chat_echo + text
             calls = None
@@ -215,7 +222,10 @@ def add_generation_routes(app: FastAPI, s: Serving) -> None:
                 )
             )
         build = envelope(P.ChatCompletionResponse, run, req.model, created, s.fingerprint)
-        return build(choices, usage(run))
+        response = build(choices, usage(run))
+        if scored is not None:
+            response.prompt_logprobs = P.PROMPT_LOGPROBS.validate_python(scored)
+        return response
 
 
 def include_usage(req: P.CompletionRequest | P.ChatCompletionRequest) -> bool:

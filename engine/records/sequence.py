@@ -52,10 +52,12 @@ class RoundStats:
 @dataclass
 class PromptLogprob:
     """One prompt token's log-probability given the tokens before it (the raw model's, no
-    temperature or processing), and the top alternatives as (token id, logprob)."""
+    temperature or processing), the top alternatives as (token id, logprob), and the token's
+    rank among all (1: the most probable; 1 + how many tokens are more probable)."""
 
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # (0: not computed)
 
 
 @dataclass

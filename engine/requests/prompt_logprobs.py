@@ -25,9 +25,18 @@ def add_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None
     lp = torch.log_softmax(logits[: len(nxt)].float(), dim=-1)  # [n, vocab]
     ids = to_device(nxt, torch.long, lp.device)
     chosen = lp.gather(-1, ids[:, None]).squeeze(-1)  # [n]
+    rank = (lp > chosen[:, None]).sum(-1) + 1  # [n] (exact in float64 below: rank < 2^53)
     top = lp.topk(max(top_n, 1), dim=-1)  # [n, top]
-    packed = torch.cat([chosen[:, None], top.values, top.indices.float()], 1).double().tolist()
+    packed = torch.cat(
+        [
+            chosen[:, None].double(),
+            rank[:, None].double(),
+            top.values.double(),
+            top.indices.double(),
+        ],
+        1,
+    ).tolist()
     for row in packed:  # (one host read for the chunk)
-        k = len(row) // 2
-        alts = [(int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :])][:top_n]
-        seq.prompt_logprobs.append(PromptLogprob(row[0], alts))
+        k = (len(row) - 2) // 2
+        alts = [(int(i), v) for v, i in zip(row[2 : 2 + k], row[2 + k :])][:top_n]
+        seq.prompt_logprobs.append(PromptLogprob(row[0], alts, int(row[1])))

@@ -87,7 +87,6 @@ REFUSED = [
     ("length_penalty", 0.5),
     ("logits_processors", ["my.Processor"]),
     ("priority", 1),
-    ("prompt_logprobs", 1),
     ("cache_salt", "salt"),
     ("kv_transfer_params", {"x": 1}),
     ("vllm_xargs", {"x": 1}),
@@ -335,6 +334,57 @@ def test_bad_words_never_come_and_speculation_changes_nothing(http, live):
     for words in ([""], ["   "]):
         r = http.post("/completions", json={"model": MODEL, "prompt": PROMPT, "bad_words": words})
         assert_error(r, 400, "bad_words")
+
+
+def test_prompt_logprobs_score_the_prompt_as_the_model_does(http, live, real_fp32):
+    """vLLM's prompt_logprobs: per prompt token (null for the first) the token's own logprob
+    and rank and the top N, as the model's own forward over the prompt gives them, on every
+    choice of n; the answer is the one asked without them, speculating (prefill scores, the
+    rounds are untouched); with echo + logprobs each keeps its own top N; chat has them once,
+    on the response; a stream, -1 or more than max_logprobs: 400 naming the field."""
+    model, _ = real_fp32
+    tok = live.tokenizer
+    ids = tok(PROMPT)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    ask = dict(max_tokens=12, temperature=0, n=2, speculation={"k": 4})
+    r = complete(http, **ask, prompt_logprobs=3)
+    plain = complete(http, **ask)
+    assert [c["text"] for c in r["choices"]] == [c["text"] for c in plain["choices"]]
+    assert_speculated([spec_of(r)])
+    assert "prompt_logprobs" not in plain["choices"][0]
+    for c in r["choices"]:
+        got = c["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        for i, t in enumerate(ids[1:], 1):
+            want = ref[i - 1]
+            row = {int(k): v for k, v in got[i].items()}
+            top = want.topk(3).indices.tolist()
+            assert next(iter(row)) == t and set(row) == {t, *top}
+            assert row[t]["logprob"] == pytest.approx(want[t].item(), abs=1e-4)
+            # 1 + the tokens more probable (those within rounding of it either way)
+            above = [int((want > want[t] + e).sum()) for e in (1e-4, -1e-4)]
+            assert 1 + above[0] <= row[t]["rank"] <= 1 + above[1]
+            assert row[t]["decoded_token"] == tok.decode([t])
+            for rank, k in enumerate(top, 1):
+                assert row[k]["logprob"] == pytest.approx(want[k].item(), abs=1e-4)
+                assert row[k]["rank"] == (row[t]["rank"] if k == t else rank)
+    # echo + logprobs 1 beside prompt_logprobs 3: the legacy list keeps 1 alternative a token
+    both = complete(http, max_tokens=2, temperature=0, echo=True, logprobs=1, prompt_logprobs=3)
+    c = both["choices"][0]
+    assert c["logprobs"]["top_logprobs"][0] is None
+    assert all(len(x) == 1 for x in c["logprobs"]["top_logprobs"][1:])
+    assert all(len(x) >= 3 for x in c["prompt_logprobs"][1:])
+    # chat: once, on the response, for the conversation's tokens
+    conv = tok.apply_chat_template(HELLO, add_generation_prompt=True, return_dict=True)
+    r = chat(http, max_tokens=4, temperature=0, n=2, prompt_logprobs=0)
+    assert len(r["prompt_logprobs"]) == len(conv["input_ids"]) and r["prompt_logprobs"][0] is None
+    assert all(len(x) == 1 for x in r["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in r["choices"][0]
+    assert "prompt_logprobs" not in chat(http, max_tokens=2)
+    for extra in ({"stream": True}, {"prompt_logprobs": -1}, {"prompt_logprobs": 21}):
+        body = {"model": MODEL, "prompt": PROMPT, "prompt_logprobs": 1, **extra}
+        assert_error(http.post("/completions", json=body), 400, "prompt_logprobs")
 
 
 def test_stop_reason_names_what_ended_each_choice(http, live):
