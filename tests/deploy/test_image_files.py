@@ -1,5 +1,6 @@
 """Static checks of the image files: Dockerfile, .dockerignore, docker/requirements-*.txt, compose.
-Building and running the image is scripts/test_image.sh's job (opt-in: ~10-15 min, needs root)."""
+Building and running the image is scripts/test_image.sh's job (opt-in: ~20 min for both variants,
+needs root)."""
 
 from __future__ import annotations
 
@@ -139,6 +140,24 @@ def test_compose_empty_api_key_leaves_the_config_files_keys():
 def test_image_script_parses():
     r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "test_image.sh")], check=False)
     assert r.returncode == 0
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="no bash")
+def test_image_script_builds_the_cuda_variant_too():
+    """By default scripts/test_image.sh builds both variants: the CUDA one on a stand-in for
+    the Dockerfile's nvidia/cuda base (so that its path cannot rot unseen); --variant picks one,
+    and another value is refused before anything runs."""
+    script = (ROOT / "scripts" / "test_image.sh").read_text()
+    assert "\nVARIANTS=both\n" in script
+    assert '--build-arg "BASE_IMAGE=$base" --build-arg VARIANT=cuda' in script
+    assert 'torch.version.cuda == "13.0"' in script  # the lock's CUDA (test_gpu_base_...)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "test_image.sh"), "--variant", "gpu"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2 and "cpu, cuda or both" in r.stderr
 
 
 def test_every_specd_command_in_the_image_finds_its_config():
