@@ -4,7 +4,8 @@
 #   CPU: docker build -t specd:cpu --build-arg VARIANT=cpu --build-arg BASE_IMAGE=debian:bookworm-slim .
 #        (torch's CPU wheel from https://download.pytorch.org/whl/cpu: a 1.9 GB image, not ~6 GB)
 # scripts/test_image.sh builds and runs the CPU variant on a development machine (a Debian bookworm
-# base made with debootstrap, the legacy builder, read-only root, the compiled forward checked).
+# base made with debootstrap, the legacy builder, read-only root, the compiled forward checked),
+# and builds the GPU variant on an Ubuntu 24.04 stand-in for the CUDA base (checked without a GPU).
 # Bases: Debian or Ubuntu with python3 3.11 or 3.12 (the locks' versions have wheels for both); a user
 # `ubuntu` (uid 1000 on Ubuntu 24.04) is removed so that `specd` gets uid/gid 1000 (the chart's
 # runAsUser).
