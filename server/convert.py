@@ -106,6 +106,10 @@ def refuse_unsupported(req: _Sampling) -> None:
         "logits_processors": (bool(req.logits_processors), "is not supported"),
         "priority": (req.priority != 0, "is not supported (no priority scheduling): send 0"),
         "cache_salt": (req.cache_salt is not None, "is not supported"),
+        "return_token_ids": (
+            bool(req.return_token_ids),
+            "is not supported: ask logprobs with return_tokens_as_token_ids",
+        ),
         "kv_transfer_params": (bool(req.kv_transfer_params), "is not supported"),
         "vllm_xargs": (bool(req.vllm_xargs), "is not supported"),
         "guided_whitespace_pattern": (

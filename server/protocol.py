@@ -125,6 +125,7 @@ class _Sampling(_Req):
     request_id: str | None = Field(None, max_length=256)
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # vLLM's token ids beside the text (refused)
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None

@@ -105,10 +105,13 @@ def _row(
         keep[to_device([i for i in p.allowed_token_ids if i < vocab], torch.long, dev)] = True
         x = x.masked_fill(~keep, float("-inf"))
     if p.bad_words:
-        ban = torch.zeros(t, vocab, dtype=torch.bool)
-        for i, ids in enumerate(bad_word_bans(seq, chain, t)):
-            ban[i, [j for j in ids if j < vocab]] = True
-        ban = ban.to(dev)
+        at = [
+            (i, j) for i, ids in enumerate(bad_word_bans(seq, chain, t)) for j in ids if j < vocab
+        ]
+        ban = torch.zeros(t, vocab, dtype=torch.bool, device=dev)
+        if at:  # (the positions and tokens to the device as indices, not a [t, vocab] mask)
+            rows, cols = (to_device(list(c), torch.long, dev) for c in zip(*at))
+            ban[rows, cols] = True
         banned = x.masked_fill(ban, float("-inf"))
         left = (banned > float("-inf")).any(-1, keepdim=True)  # [t, 1]
         x = torch.where(left, banned, x)

@@ -98,8 +98,8 @@ UNSUPPORTED = (
     "prompt_logprobs", "bad_words", "use_beam_search", "length_penalty", "add_special_tokens",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
-    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
-    "prompt_embeds", "add_generation_prompt", "continue_final_message", "documents",
+    "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params",
+    "vllm_xargs", "prompt_embeds", "add_generation_prompt", "continue_final_message", "documents",
     "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "structural_tag",
     "reasoning_effort", "include_reasoning",
 )  # fmt: skip

@@ -33,8 +33,8 @@ VLLM_COMMON = [
     "allowed_token_ids", "bad_words", "use_beam_search", "add_special_tokens", "response_format",
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
     "guided_whitespace_pattern", "priority", "request_id", "logits_processors",
-    "return_tokens_as_token_ids", "cache_salt", "kv_transfer_params", "vllm_xargs",
-    "structured_outputs",
+    "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "kv_transfer_params",
+    "vllm_xargs", "structured_outputs",
 ]  # fmt: skip
 VLLM_CHAT = VLLM_COMMON + [
     "best_of", "echo", "add_generation_prompt", "continue_final_message", "documents",
@@ -88,6 +88,7 @@ REFUSED = [
     ("logits_processors", ["my.Processor"]),
     ("priority", 1),
     ("cache_salt", "salt"),
+    ("return_token_ids", True),
     ("kv_transfer_params", {"x": 1}),
     ("vllm_xargs", {"x": 1}),
     ("guided_whitespace_pattern", " "),
