@@ -279,8 +279,8 @@ test_cpu() {
     [ -z "$bad" ] || { echo "FAIL: the log shows a fallback:"; echo "$bad"; return 1; }
     grep -F 'component="target"' <<<"$gauge" | grep -F 'path="compiled+q4-specd"' | grep -qE ' 1(\.0)?$' \
       || { echo "FAIL: the target does not run compiled on specd's 4-bit kernel"; return 1; }
-    grep -F 'component="head"' <<<"$gauge" | grep -F 'path="compiled"' | grep -qE ' 1(\.0)?$' \
-      || { echo "FAIL: the EAGLE-3 head does not run compiled"; return 1; }
+    grep -F 'component="head"' <<<"$gauge" | grep -F 'path="compiled+q4-specd"' | grep -qE ' 1(\.0)?$' \
+      || { echo "FAIL: the EAGLE-3 head does not run compiled on specd's 4-bit kernel"; return 1; }
     ! grep -qE 'eager|q4-torch| 0(\.0)?$' <<<"$gauge" \
       || { echo "FAIL: the forward-path gauge shows eager, torch's kernel or a path left"; return 1; }
   }
