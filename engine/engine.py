@@ -254,14 +254,18 @@ class SpecEngine:
         return mode == "always" or (mode == "request" and any(s.params.deterministic for s in seqs))
 
     def _calibrate_once(self) -> None:
-        """Before the first request the controller decides K for: time forwards on free slots."""
+        """Before the first request the controller decides K for, if :meth:`warm_up` did not:
+        time forwards on free slots."""
         if self.controller.calibrated or not self.target.cache.num_free():
             return
         if any(s.spec.enabled and s.spec.k is None for s in self.scheduler.waiting):
-            draft = self.drafter.runner if self.drafter is not None else None
-            free = self.target.cache.free_slots()
-            # "always": the forwards timed are the invariant ones
-            self.controller.calibrate(self.target, draft, free, self._invariant([]))
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        draft = self.drafter.runner if self.drafter is not None else None
+        free = self.target.cache.free_slots()
+        # "always": the forwards timed are the invariant ones
+        self.controller.calibrate(self.target, draft, free, self._invariant([]))
 
     # -- compile warm-up ----------------------------------------------------------------------
     def runners(self) -> list[ModelRunner]:
@@ -287,7 +291,8 @@ class SpecEngine:
 
     def warm_up(self) -> None:
         """Compile and run every shape of the target's and draft model's fast forward path
-        (engine/model/compiled.py) and the drafter's own graphs. The worker calls it first."""
+        (engine/model/compiled.py) and the drafter's own, then time the forwards the K
+        controller prices rounds by (its calibration). The worker calls it first."""
         for runner in self.runners():
             runner.warm_up()
         if self.drafter is not None:
@@ -297,6 +302,10 @@ class SpecEngine:
                 logging.getLogger("specd.engine").warning("drafter warm-up failed: %r", e)
         paths = ", ".join(f"{k} {v}" for k, v in self.forward_paths().items())
         logging.getLogger("specd.engine").warning("forward paths after warm-up: %s", paths)
+        if not self.controller.calibrated and not self.scheduler.has_work():
+            # the timing of forwards the K controller needs, before the server is ready rather
+            # than in the first request's wait (its forwards are the fast path's, now compiled)
+            self._calibrate()
 
     # -- what the worker reads (engine/worker/worker.py's Engine protocol) -------------------
     @property

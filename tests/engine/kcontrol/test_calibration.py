@@ -183,3 +183,30 @@ def test_context_is_copied_not_prefilled_per_slot(runners, monkeypatch):
     ]
     assert {src for _, src, _, _ in copies} == {0}
     assert_all_free(target, draft)
+
+
+def test_the_engines_warm_up_calibrates_before_the_first_request(models, monkeypatch):
+    """A server's engine (a fast path to warm up, the adaptive controller) calibrates in its
+    warm-up, before it reports ready, with every slot free; its first request (K the
+    controller's to decide) then waits for no calibration."""
+    from engine.model.compiled import CompileConfig
+    from engine.records.params import SamplingParams
+    from tests import helpers
+
+    compiled = CompileConfig(enabled=True, backend="eager", batch_buckets=[1, 2], q_buckets=[1, 4])
+    engine = helpers.engine_for(models, "model", slots=2, compile=compiled)
+    ctrl = engine.controller
+    assert isinstance(ctrl, AdaptiveK) and not ctrl.calibrated and engine.needs_warm_up()
+    seen = []
+    real = ctrl.calibrate
+
+    def counting(target, draft, free, *a, **kw):
+        seen.append(list(free))
+        return real(target, draft, free, *a, **kw)
+
+    monkeypatch.setattr(ctrl, "calibrate", counting)
+    engine.warm_up()
+    assert [sorted(f) for f in seen] == [[0, 1]] and ctrl.calibrated
+    assert engine.target.cache.num_free() == 2 and engine.target.cache.used_tokens() == 0
+    out = engine.generate([[1, 2, 3, 1, 2, 3]], SamplingParams(temperature=0, max_tokens=16))
+    assert len(seen) == 1 and len(out[0].output_ids) == 16  # no second calibration
