@@ -25,7 +25,8 @@ def shapes(target: ModelRunner, slots: int, k_max: int) -> tuple[list[int], list
     (engine/kcontrol/cost.py ``ForwardTable``); without buckets, powers of two and the ends."""
     buckets = target.buckets()
     if buckets is not None:
-        rows = [b for b in buckets[0] if b <= slots]
+        # every bucket above the slots timed: the rows there are, padded to the smallest one
+        rows = [b for b in buckets[0] if b <= slots] or [slots]
         widths = [q - 1 for q in buckets[1] if q <= k_max + 1]
     else:
         rows = [b for b in (1, 2, 4, 8, 16) if b <= slots] + [slots]

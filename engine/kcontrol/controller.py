@@ -69,7 +69,6 @@ from engine.kcontrol.calibration import calibrate
 from engine.kcontrol.cost import CostModel, RoundCost
 from engine.kcontrol.probe import Prober
 from engine.records.kstate import KState, leaf_reach
-from engine.round.rules import multi_token_bad_words
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -395,7 +394,7 @@ def may_grow(seq: Sequence) -> bool:
         seq.matcher is None
         and not p.penalized
         and not short
-        and not multi_token_bad_words(seq)
+        and not p.multi_token_bad_words
         and p.seed is None
         and not p.deterministic
     )

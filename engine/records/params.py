@@ -86,6 +86,12 @@ class SamplingParams:
         )
 
     @property
+    def multi_token_bad_words(self) -> bool:
+        """Whether a bad word has several tokens (its rule reads the drafts before each verified
+        position, so such a row verifies chains)."""
+        return any(len(w) > 1 for w in self.bad_words)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 

@@ -52,16 +52,11 @@ def apply_rules(
     t = logits.shape[1]
     for b in rows:
         chain: list[int] = []
-        if t > 1 and multi_token_bad_words(seqs[b]):  # (a host read: such rows only)
+        if t > 1 and seqs[b].params.multi_token_bad_words:  # (a host read: such rows only)
             assert drafts is not None, "a multi-token bad word reads the drafts"
             chain = drafts[b, : t - 1].tolist()
         out[b] = _row(out[b], seqs[b], eos_token_ids, chain)
     return out
-
-
-def multi_token_bad_words(seq: Sequence) -> bool:
-    """Whether a bad word of ``seq`` has several tokens (its processing reads the drafts)."""
-    return any(len(w) > 1 for w in seq.params.bad_words)
 
 
 def bad_word_bans(seq: Sequence, chain: list[int], t: int) -> list[list[int]]:

@@ -155,6 +155,8 @@ def test_shapes_are_the_fast_paths_buckets():
     assert shapes(runner, 16, 7) == ([1, 2, 4, 8, 16], [0, 1, 3, 7])
     assert shapes(runner, 6, 3) == ([1, 2, 4], [0, 1, 3])
     assert shapes(runner, 0, 3) == ([], [0, 1, 3])
+    # every bucket above the slots: the rows there are (padded to the bucket when run)
+    assert shapes(Bucketed([48], [1, 8]), 16, 7) == ([16], [0, 7])
 
 
 def test_context_is_copied_not_prefilled_per_slot(runners, monkeypatch):
