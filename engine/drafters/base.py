@@ -24,13 +24,14 @@ if TYPE_CHECKING:
 class Alternatives:
     """The runners-up of each drafted token, for a draft tree (engine/round/draft_tree.py):
     candidates drawn after d_{j+1} from the same q, in the order drawn (a sampled row's are a
-    sample of q without replacement, its first draw d_{j+1} itself)."""
+    sample of q without replacement, its first draw d_{j+1} itself); and deeper nodes."""
 
     tokens: torch.Tensor  # [batch, K', S] long: the alternatives to d_{j+1}, in order
     # [batch, K', S] float: each one's worth as a tree node (its estimated chance of being
     # accepted); -inf: none. Within a position, decreasing in the order drawn
     values: torch.Tensor
-    # deeper nodes (EAGLE-2's expansion, drafters/eagle/expand.py): tokens [batch, M] long,
+    # deeper nodes (EAGLE-2's expansion, drafters/eagle/expand.py; the suffix drafter's
+    # branches, drafters/suffix.py, with no runners-up): tokens [batch, M] long,
     # worth [batch, M] (never above the parent's), parent ids [batch, M] long, in the id space
     # -1 the root, j < K' chain node j, K' + j S + r runner-up r of d_{j+1}, K' + K' S + m
     # node m of these; parents first
@@ -40,6 +41,10 @@ class Alternatives:
     # engine/round/tree.py); None: none
     point: torch.Tensor | None = None
     point_rows: list[bool] | None = None  # ``point`` on the host
+    # per row, how many candidates it has (the rest worth -inf), where the drafter knows it on
+    # the host: a row's leaves are cut to it, so no verify query goes to a node that is none;
+    # None: not known (as many as the leaves asked)
+    sizes: list[int] | None = None
 
 
 @dataclass

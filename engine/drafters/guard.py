@@ -109,6 +109,7 @@ def well_formed(prop: Proposal, ks: list[int]) -> bool:
                 and prop.alternatives.tokens.dim() == 3
                 and prop.alternatives.tokens.shape[0] == b
                 and prop.alternatives.tokens.shape[1] <= t.shape[1]
+                and (prop.alternatives.sizes is None or len(prop.alternatives.sizes) == b)
             )
         )
     )

@@ -17,6 +17,14 @@ matched token (a long match is trusted further) and the K asked. The draft with 
 expected number of accepted tokens wins. A copy is deterministic: its q is one-hot, as
 n-gram's, and the rejection rule keeps the output the target's whatever was copied.
 
+Draft trees: where the round gives a row leaves (``plan.leaves``, the controller's call within
+the verify's widest shape), the winning index's other continuations of the match go beside the
+draft as its branches (suffix_index.py ``branch_out``: the best by their occurrences' share,
+up to the leaves asked), and the engine verifies the draft and its branches as one tree
+(engine/round/draft_tree.py). Every node was chosen from text, not drawn from a q: the tree
+rule tries each as a point mass (engine/round/tree.py), exact for sampled rows whatever chose
+the nodes, as nothing of the target's draws did.
+
 A seeded sampled request drafts from its own index only: its draws follow its drafts, so a
 draft that depended on other traffic would make its output depend on that traffic too.
 """
@@ -27,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.drafters.base import DrafterBase, Proposal
+from engine.drafters.base import Alternatives, DrafterBase, Proposal
 from engine.drafters.ngram import grammar_prefix
 from engine.drafters.suffix_index import NO_DRAFT, Draft, SuffixIndex
 from engine.records.plan import RoundPlan
@@ -50,6 +58,7 @@ class _Row:
 class SuffixDrafter(DrafterBase):
     name = "suffix"
     samples = False
+    trees = True  # the match's other continuations, where the round gives a row leaves
 
     def __init__(
         self,
@@ -133,26 +142,27 @@ class SuffixDrafter(DrafterBase):
         one, whose output must not depend on other traffic."""
         return seq.generator is None or seq.params.greedy
 
-    def draft(self, seq: Sequence, k: int) -> tuple[Draft, str]:
+    def draft(self, seq: Sequence, k: int, branches: int = 0) -> tuple[Draft, str]:
         """Row ``seq``'s best draft of at most ``k`` tokens and the index it came from ("own",
-        "shared"; "" with no draft)."""
+        "shared"; "" with no draft); ``branches``: up to that many other continuations of its
+        match beside it (``Draft.branches``)."""
         if k <= 0:
             return NO_DRAFT, ""
         row = self._row(seq)
         self._sync_shared(row)
         own = self._sync_own(row)
         context = own.texts[0]
-        best, source = own.draft(context, k, self.max_depth, self.spec_factor, self.min_prob), "own"
+        knobs = (self.max_depth, self.spec_factor, self.min_prob)
+        best, source = own.draft(context, k, *knobs, branches=branches), "own"
         if self.shared is not None and self.reads_shared(seq):
-            other = self.shared.draft(
-                context, k, self.max_depth, self.spec_factor, self.min_prob, exclude=row.shared
-            )
+            other = self.shared.draft(context, k, *knobs, exclude=row.shared, branches=branches)
             if other.score > best.score:
                 best, source = other, "shared"
         return best, (source if best.tokens else "")
 
     def propose(self, seqs: list[Sequence], plan: RoundPlan) -> Proposal:
-        found = [self.draft(s, k) for s, k in zip(seqs, plan.ks)]
+        leaves = getattr(plan, "leaves", None) or [0] * len(seqs)
+        found = [self.draft(s, k, n) for s, k, n in zip(seqs, plan.ks, leaves)]
         self.last_sources = [src for _, src in found]
         self.own_drafts += self.last_sources.count("own")
         self.shared_drafts += self.last_sources.count("shared")
@@ -161,4 +171,39 @@ class SuffixDrafter(DrafterBase):
         padded = [d + [0] * (width - len(d)) for d in drafts]
         tokens = to_device(padded, torch.long, self.device).reshape(len(seqs), width)
         num = [len(d) for d in drafts]
-        return Proposal(tokens=tokens, num=num, probs=None, copied=[n > 0 for n in num])
+        # a row the grammar cut keeps its chain only (a tree row has no grammar: may_grow)
+        branches = [d.branches if len(d.tokens) == n else [] for (d, _), n in zip(found, num)]
+        alts = self.branches(branches, num, width) if any(branches) else None
+        return Proposal(
+            tokens=tokens, num=num, probs=None, alternatives=alts, copied=[n > 0 for n in num]
+        )
+
+    def branches(
+        self, rows: list[list[tuple[int, float, int]]], num: list[int], width: int
+    ) -> Alternatives:
+        """The rows' branches (``Draft.branches`` of chains of ``num`` tokens) as the tree's
+        candidates (drafters/base.py ``Alternatives``): no runners-up (S = 0), every branch a
+        node of ``more`` in the id space where chain node j is j and branch i is ``width`` + i,
+        worth its chance; each row's candidates tried as point masses (module docstring)."""
+        batch, most = len(rows), max(len(r) for r in rows)
+        tok = [[0] * most for _ in rows]
+        worth = [[float("-inf")] * most for _ in rows]
+        par = [[-1] * most for _ in rows]
+        branch = 1  # the most children a node has (a chain node's chain child counted)
+        for b, (row, n) in enumerate(zip(rows, num)):
+            kids: dict[int, int] = {}
+            for i, (t, p, parent) in enumerate(row):
+                at = parent if parent < n else width + parent - n
+                tok[b][i], worth[b][i], par[b][i] = t, p, at
+                kids[at] = kids.get(at, 0) + 1
+            branch = max([branch] + [c + (a < n) for a, c in kids.items()])  # (-1: the root)
+        dev = self.device
+        empty = torch.zeros(batch, width, 0, dtype=torch.long, device=dev)
+        more = (
+            to_device(tok, torch.long, dev).reshape(batch, most),
+            to_device(worth, torch.float32, dev).reshape(batch, most),
+            to_device(par, torch.long, dev).reshape(batch, most),
+        )
+        point = torch.ones(batch, dtype=torch.bool, device=dev)
+        sizes = [len(r) for r in rows]
+        return Alternatives(empty, empty.float(), more, branch, point, [True] * batch, sizes)

@@ -12,6 +12,13 @@ continue with it. This is what a bounded-depth suffix tree gives (the subtree un
 context's longest matching suffix, counts per child), at one entry per position and anchor
 instead of one node per position and depth.
 
+Where the occurrences part ways, a draft may also carry *branches*: the other continuations of
+that subtree, each a node with its token, its parent (a token of the draft or another branch)
+and its estimated chance of being right, its occurrences' share of the match's. They are picked
+best first (a child's share is never above its parent's, so the chosen ones hold their
+ancestors), under the draft's ``min_prob`` and no deeper than the draft itself, for the engine
+to verify as a draft tree beside it (engine/round/draft_tree.py).
+
 Bounded memory: texts are kept in least-recently-used order, and past ``max_texts`` texts or
 ``max_tokens`` tokens the oldest are dropped. A dropped text's entries stay in the n-gram lists
 (skipped at lookup) until they outnumber the live ones, when every list is rebuilt from the
@@ -20,9 +27,10 @@ live texts, so the index never holds more than about twice its live positions.
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ANCHORS = (8, 4, 2, 1)  # n-gram lengths positions are filed under, longest first
 POS_BITS = 32  # an entry is text id << POS_BITS | position
@@ -39,6 +47,9 @@ class Draft:
     probs: list[float]
     match: int  # the length of the context's suffix that matched
     sources: int  # occurrences that voted for the first token
+    # other continuations as (token, chance, parent), best first: parent -1 the root,
+    # j < len(tokens) the draft's token j, len(tokens) + i branch i (parents come first)
+    branches: list[tuple[int, float, int]] = field(default_factory=list)
 
     @property
     def score(self) -> float:
@@ -204,11 +215,13 @@ class SuffixIndex:
         spec_factor: float,
         min_prob: float,
         exclude: int = -1,
+        branches: int = 0,
     ) -> Draft:
         """Up to ``k`` tokens that followed the context's longest match (:meth:`candidates`),
         at most ``spec_factor`` per matched token (at least one): each the most frequent next
         token of the occurrences still agreeing, while the running product of its empirical
-        probabilities stays at least ``min_prob``."""
+        probabilities stays at least ``min_prob``. ``branches``: up to that many other
+        continuations beside them (:func:`branch_out`)."""
         if k <= 0:
             return NO_DRAFT
         match, occ = self.candidates(context, depth, exclude)
@@ -218,6 +231,7 @@ class SuffixIndex:
         tokens: list[int] = []
         probs: list[float] = []
         sources = len(occ)
+        every = occ
         cum = 1.0
         for j in range(limit):
             votes: dict[int, int] = {}
@@ -235,10 +249,68 @@ class SuffixIndex:
             tokens.append(tok)
             probs.append(p)
             occ = [(t, q) for t, q in occ if q + j < len(t) and t[q + j] == tok]
-        return Draft(tokens, probs, match, sources)
+        out = Draft(tokens, probs, match, sources)
+        if branches > 0 and tokens:
+            # no deeper than the draft: the round's walk stops at its widest draft
+            out.branches = branch_out(every, tokens, len(tokens), min_prob, branches)
+        return out
 
     def text_of(self, tid: int) -> list[int] | None:
         return self.texts.get(tid)
+
+
+def votes_of(occ: list[tuple[list[int], int]], j: int) -> dict[int, list[tuple[list[int], int]]]:
+    """The occurrences by their token ``j`` after the match (those that ended there vote for
+    none), in the occurrences' order (the most recent first)."""
+    out: dict[int, list[tuple[list[int], int]]] = {}
+    for text, pos in occ:
+        if pos + j < len(text):
+            out.setdefault(text[pos + j], []).append((text, pos))
+    return out
+
+
+def branch_out(
+    occ: list[tuple[list[int], int]],
+    chain: list[int],
+    limit: int,
+    min_prob: float,
+    most: int,
+) -> list[tuple[int, float, int]]:
+    """The ``most`` best continuations of the match's occurrences ``occ`` off its draft
+    ``chain``, as ``Draft.branches``: the nodes of the trie of the occurrences' next ``limit``
+    tokens that are not on the chain, each worth its occurrences' share of ``occ``, at least
+    ``min_prob``, best first (ties: the earlier found, the more recent occurrence's first).
+    Best first from the chain's nodes down: a node is a candidate once its parent is taken, and
+    a child's share is never above its parent's, so these are the trie's ``most`` best off-chain
+    nodes with every ancestor among them or on the chain."""
+    n = len(occ)
+    heap: list[tuple[float, int, int, int, list[tuple[list[int], int]]]] = []
+    made = 0  # tie-break: the order found
+
+    def offer(parent: int, j: int, agree: list[tuple[list[int], int]], skip: int | None) -> None:
+        """The children of node ``parent`` (its ``agree`` occurrences), at offset ``j``."""
+        nonlocal made
+        if j >= limit:
+            return
+        for tok, group in votes_of(agree, j).items():
+            share = len(group) / n
+            if tok != skip and share >= min_prob:
+                heapq.heappush(heap, (-share, made, tok, parent, group))
+                made += 1
+
+    agree = occ
+    for j, tok in enumerate(chain):  # beside chain token j: children of its parent
+        offer(j - 1, j, agree, tok)
+        agree = [(t, q) for t, q in agree if q + j < len(t) and t[q + j] == tok]
+    out: list[tuple[int, float, int]] = []
+    depth: list[int] = []  # each branch's offset after the match
+    while heap and len(out) < most:
+        neg, _, tok, parent, group = heapq.heappop(heap)
+        j = parent + 1 if parent < len(chain) else depth[parent - len(chain)] + 1
+        out.append((tok, -neg, parent))
+        depth.append(j)
+        offer(len(chain) + len(out) - 1, j + 1, group, None)
+    return out
 
 
 def matched(text: list[int], pos: int, context: list[int], depth: int) -> int:

@@ -100,6 +100,9 @@ class Speculator:
         tree = None  # the round's draft trees (draft_tree.py), where some row grows one
         if prop is not None and prop.alternatives is not None and kmax:
             leaves = [n_l if n else 0 for n_l, n in zip(leaves, num_draft)]
+            sizes = prop.alternatives.sizes  # (no verify query for a candidate that is none)
+            if sizes is not None:
+                leaves = [min(n_l, c) for n_l, c in zip(leaves, sizes)]
             if any(leaves):
                 tree = grow(drafts, num_draft, draft_probs, prop.alternatives, leaves)
         if tree is None:  # chains only (no row drafted runners-up: a fault, n-gram, forced)

@@ -499,6 +499,57 @@ def test_the_test_rejects_wrong_tree_rules(tree_target, tree_joint, monkeypatch,
     assert_rejects(outputs(seqs), tree_joint(1.0, 0, 1.0), wrong.__name__)
 
 
+# -- suffix trees: the copied draft plus the match's other continuations (drafters/suffix.py) ----
+def sample_suffix_trees(models, monkeypatch, temperature, top_k, top_p, n=N, wrong=None):
+    """``n`` unseeded requests (a seeded row stays a chain on its own index) through the suffix
+    drafter at K with ``LEAVES`` leaves: the branches come mostly from the other requests'
+    outputs (the shared index), every node chosen, tried as a point mass, so the rule runs in
+    closed form with sampled rows. The engine's seed source fixed; ``wrong(monkeypatch)``
+    breaks it."""
+    monkeypatch.setattr(secrets, "randbits", random.Random(29).getrandbits)
+    if wrong is not None:
+        wrong(monkeypatch)
+    engine = engine_for(models, "suffix", **SIZES, controller=FixedK(K, LEAVES))
+    deep = spy_deep_paths(monkeypatch)  # accepted nodes below a branch, per round
+    closed = []  # rounds the rule ran in closed form with sampled rows (tree.closed_walk)
+    walk = tree_module.closed_walk
+
+    def counted(*a, **kw):
+        closed.append(kw.get("noise", a[7] if len(a) > 7 else None) is not None)
+        return walk(*a, **kw)
+
+    monkeypatch.setattr(tree_module, "closed_walk", counted)
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    seqs = engine.generate([PROMPT] * n, params, SpecParams(k=K))
+    assert_speculated(seqs, min_drafted=n)
+    trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+    assert trees >= n // 2 and hits > n // 100, (trees, hits)  # trees ran; branches were taken
+    assert sum(deep) > 0, sum(deep)  # ... and nodes below a branch
+    assert engine.drafter.shared_drafts > n // 10
+    if wrong is None:
+        assert sum(closed) > 0
+    return seqs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
+def test_suffix_trees_match_target_distribution(
+    models, joint, monkeypatch, temperature, top_k, top_p
+):
+    seqs = sample_suffix_trees(models, monkeypatch, temperature, top_k, top_p)
+    assert_fits(outputs(seqs), joint(temperature, top_k, top_p), f"suffix trees T={temperature}")
+
+
+@pytest.mark.slow
+def test_the_test_rejects_suffix_branches_tried_as_drawn(models, joint, monkeypatch):
+    """The suffix drafter's nodes tried without the point-mass rule (no q reported, none marked
+    chosen): the rule then takes a node where it is the target's argmax, sampled rows too."""
+    seqs = sample_suffix_trees(models, monkeypatch, 1.0, 0, 1.0, N_POWER, chosen_tried_as_drawn)
+    assert_rejects(outputs(seqs), joint(1.0, 0, 1.0), "suffix branches tried as drawn")
+
+
 # -- ... and the same test rejects wrong engines ------------------------------------------------
 # name: (rule, the drafter it runs with, draws the test gets to see it). Each rule runs with one
 # drafter (the CI's time): the n-gram's one-hot q and the draft model's soft q take turns.

@@ -6,6 +6,7 @@ sampling reproduces."""
 import pytest
 import torch
 
+from engine.kcontrol.controller import FixedK
 from engine.records.params import SamplingParams, SpecParams
 from engine.records.sequence import Status
 from prompts.sets import encode, human_eval, mt_bench
@@ -83,6 +84,19 @@ def test_suffix_drafter_is_lossless(real_fp32, prompts, reference):
     assert_same(seqs, reference)
     helpers.assert_speculated(seqs)
     assert engine.drafter.own_drafts > 0 and engine.drafter.rows == {}
+
+
+def test_suffix_trees_are_lossless(real_fp32, prompts, reference):
+    """The same with draft trees: K = 5 and 3 leaves, the match's other continuations verified
+    beside each draft (drafters/suffix.py); some rounds verified trees and took a branch."""
+    engine = helpers.engine_for(
+        real_fp32[0], "suffix", slots=8, max_len=1024, controller=FixedK(5, 3)
+    )
+    seqs = run_each(engine, prompts, k=5)
+    assert_same(seqs, reference)
+    helpers.assert_speculated(seqs)
+    trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+    assert trees > 0 and hits > 0, (trees, hits)
 
 
 def test_suffix_drafts_a_repeated_answer_from_the_earlier_request(real_fp32, prompts, reference):

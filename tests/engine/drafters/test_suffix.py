@@ -15,6 +15,7 @@ from engine.drafters.suffix_index import COMPACT_FLOOR, SuffixIndex, matched
 from engine.kcontrol.controller import FixedK
 from engine.records.params import SamplingParams, SpecParams
 from engine.records.sequence import Sequence
+from engine.round.draft_tree import grow
 from tests import helpers
 
 DEPTH = 24
@@ -26,9 +27,9 @@ def own(tokens):
     return ix
 
 
-def draft(tokens, k, factor=8.0, min_prob=0.0, depth=DEPTH):
+def draft(tokens, k, factor=8.0, min_prob=0.0, depth=DEPTH, branches=0):
     ix = own(tokens)
-    return ix.draft(ix.texts[0], k, depth, factor, min_prob)
+    return ix.draft(ix.texts[0], k, depth, factor, min_prob, branches=branches)
 
 
 def seq(prompt, output=(), seed=None, temperature=0.0):
@@ -85,16 +86,23 @@ def test_length_follows_the_match_and_the_k_asked():
     assert draft([5], 3).tokens == []
 
 
+def occurrences(text, depth):
+    """By brute force: every earlier position with a continuation whose match with the text's
+    end is the longest, the most recent first; and that length."""
+    n = len(text)
+    ms = {p: matched(text, p, text, depth) for p in range(1, n)}
+    best = max(ms.values(), default=0)
+    return sorted((p for p, m in ms.items() if m == best), reverse=True), best
+
+
 def reference(text, k, depth, factor, min_prob):
     """The rule written out, by brute force: every earlier position with a continuation, its
     match with the text's end; the longest; then token by token the most frequent next token
     (ties: the most recent occurrence's) while the running share stays >= min_prob."""
     n = len(text)
-    ms = {p: matched(text, p, text, depth) for p in range(1, n)}
-    best = max(ms.values(), default=0)
+    occ, best = occurrences(text, depth)
     if best == 0:
         return []
-    occ = sorted((p for p, m in ms.items() if m == best), reverse=True)
     out, cum = [], 1.0
     for j in range(min(k, max(1, int(factor * best)))):
         votes = {}
@@ -126,6 +134,89 @@ def test_random_texts_follow_the_rule_written_out():
         assert got == reference(text, k, depth, factor, min_prob), (text, k, depth)
         drafted += bool(got)
     assert drafted > 300
+
+
+def off_chain(text, chain, depth, min_prob):
+    """By brute force: every continuation of the longest match's occurrences that is no prefix
+    of the draft ``chain`` and no longer than it, with its occurrences' share, if >= min_prob."""
+    occ, _ = occurrences(text, depth)
+    paths = {tuple(text[p : p + j]) for p in occ for j in range(1, len(chain) + 1)}
+    paths = {q for q in paths if len(q) <= len(chain) and list(q) != chain[: len(q)]}
+    share = {q: sum(tuple(text[p : p + len(q)]) == q for p in occ) / len(occ) for q in paths}
+    return {q: v for q, v in share.items() if v >= min_prob}
+
+
+def paths_of(d):
+    """Each branch of draft ``d`` as its tokens from the root, through its parents."""
+    n, out = len(d.tokens), []
+    for tok, _, parent in d.branches:
+        above = list(d.tokens[: parent + 1]) if parent < n else list(out[parent - n])
+        out.append(above + [tok])
+    return [tuple(p) for p in out]
+
+
+def test_branches_are_the_best_other_continuations_on_random_texts():
+    """Where the match's occurrences part ways, the draft's branches are the best ``most``
+    continuations off its chain by their occurrences' share (brute force over every
+    continuation), each at most as deep as the chain, above min_prob, its parent the
+    continuation one token shorter (on the chain or an earlier branch), with its share."""
+    rng = random.Random(5)
+    branched = 0
+    for _ in range(400):
+        vocab = rng.choice([2, 3, 4])
+        text = [rng.randrange(vocab) for _ in range(rng.randrange(2, 40))]
+        k, depth, most = rng.randrange(1, 7), rng.choice([2, 24]), rng.randrange(1, 6)
+        factor, min_prob = rng.choice([1.0, 3.0]), rng.choice([0.0, 0.1, 0.3])
+        d = draft(text, k, factor, min_prob, depth, branches=most)
+        assert d.tokens == reference(text, k, depth, factor, min_prob)
+        want = off_chain(text, d.tokens, depth, min_prob)
+        got = paths_of(d)
+        assert len(set(got)) == len(got) and all(q in want for q in got), (text, got, want)
+        assert [p for _, p, _ in d.branches] == pytest.approx([want[q] for q in got])
+        for i, (_, _, parent) in enumerate(d.branches):
+            assert parent < len(d.tokens) + i  # parents first
+        best = sorted(want.values(), reverse=True)[:most]
+        assert sorted((want[q] for q in got), reverse=True) == pytest.approx(best)
+        branched += len(got) > 1
+    assert branched > 50
+
+
+def test_branches_under_the_draft():
+    toks = [1, 2, 4, 5, 1, 2, 4, 6, 1, 2, 4, 5, 1, 2, 4, 7, 1, 2, 9, 9, 1, 2]
+    #  after 1 2: 9 9 | 4 7 | 4 5 | 4 6 | 4 5 (the most recent first): 4 5 1 2, then 9, 7, 6
+    d = draft(toks, 4, branches=5)
+    assert d.tokens == [4, 5, 1, 2] and d.probs == pytest.approx([0.8, 0.4, 0.4, 0.4])
+    # ties in the order found: the root's 9, then 4's 7 and 6, then under 9 and 7
+    assert d.branches == [(9, 0.2, -1), (7, 0.2, 0), (6, 0.2, 0), (9, 0.2, 4), (1, 0.2, 5)]
+    assert draft(toks, 4, min_prob=0.3, branches=5).branches == []  # each 1 in 5
+    assert draft(toks, 4).branches == []  # none asked
+    assert draft(toks, 1, branches=5).branches == [(9, 0.2, -1)]  # no deeper than the draft
+
+
+def test_the_drafter_proposes_its_branches_as_a_tree():
+    """A row given leaves proposes its branches as point-mass candidates of ``more`` (no
+    runners-up); the engine's tree (draft_tree.grow) holds exactly the chain and, under the
+    nodes they continue, the branches: every path of the tree followed the match. A row given
+    none drafts its chain alone."""
+    d = SuffixDrafter(max_spec_factor=8.0, min_token_prob=0.0)
+    toks = [1, 2, 4, 5, 1, 2, 4, 6, 1, 2, 4, 5, 1, 2, 4, 7, 1, 2, 9, 9, 1, 2]
+    rows = [seq(toks), seq([3] + toks)]
+    plan = SimpleNamespace(ks=[4, 4], leaves=[3, 0])
+    prop = d.propose(rows, plan)
+    alts = prop.alternatives
+    assert prop.num == [4, 4] and alts is not None and alts.more is not None
+    assert alts.tokens.shape == (2, 4, 0) and alts.point_rows == [True, True]
+    assert alts.sizes == [3, 0]
+    tree = grow(prop.tokens, prop.num, None, alts, [3, 0])
+    tokens, parents, valid = tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist()
+    assert tokens[0][:4] == [4, 5, 1, 2] and valid[0] == [True] * 7 and not any(valid[1][4:])
+
+    def path(b, i):
+        return path(b, parents[b][i]) + [tokens[b][i]] if i >= 0 else []
+
+    assert sorted(path(0, i) for i in range(4, 7)) == [[4, 6], [4, 7], [9]]
+    assert tree.width == 3  # the root's 4 and 9; 4's 5, 7 and 6
+    assert d.propose(rows, SimpleNamespace(ks=[4, 4], leaves=[0, 0])).alternatives is None
 
 
 # -- the bounds and the clean-up ---------------------------------------------------------------
@@ -287,3 +378,39 @@ def test_a_seeded_request_reproduces_whatever_traffic_came_before(monkeypatch):
     helpers.assert_speculated([fresh, after])
     control, copied = run(True, read_all=True)
     assert copied > 0 and control.output_ids != fresh.output_ids
+
+
+# -- draft trees through the engine ---------------------------------------------------------------
+def test_trees_through_the_engine_greedy_equals_plain(monkeypatch):
+    """fp32 greedy, 32 prompts of a vocabulary of 8 in one batch (the match's occurrences often
+    part ways), the suffix drafter at K = 4 with 3 leaves: output equals plain decoding's; trees
+    of several branches were verified, and rows took a branch, not the chain's token, where the
+    target went that way. With no leaves the same run verifies chains only."""
+    from engine.round import speculator
+
+    target = helpers.sharp_tiny(1, 8)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 8, (int(n),), generator=g).tolist() for n in range(2, 34)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = helpers.engine_for(target, None, slots=64, max_len=64).generate(prompts, params)
+    widest = []  # per tree round, the most branches a row had verified
+    real_grow = speculator.grow
+
+    def spy(*a, **kw):
+        tree = real_grow(*a, **kw)
+        widest.append(int(tree.valid[:, tree.chain :].sum(1).max()))
+        return tree
+
+    monkeypatch.setattr(speculator, "grow", spy)
+    for leaves in (3, 0):
+        engine = helpers.engine_for(
+            target, "suffix", slots=64, max_len=64, controller=FixedK(4, leaves)
+        )
+        seqs = engine.generate(prompts, params, SpecParams(k=4))
+        assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
+        helpers.assert_speculated(seqs)
+        trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+        if leaves:
+            assert trees > 10 and hits > 0 and max(widest) >= 2, (trees, hits, widest)
+        else:
+            assert trees == hits == 0
