@@ -75,8 +75,9 @@ class DrafterConfig:
     controller: str = "adaptive"
     k: int = 4
     k_max: int = 8  # the largest K any round may draft (a tree's chain and leaves together)
-    # eagle3 only: draft trees, the chain plus up to this many of the head's runners-up as leaves
-    # (engine/round/draft_tree.py); the controller verifies them where they pay (0: chains only)
+    # draft trees (eagle3, suffix), the chain plus up to this many leaves: the head's runners-up,
+    # or the suffix match's other continuations (engine/round/draft_tree.py); the controller
+    # verifies them where they pay (0: chains only)
     tree_leaves: int = 0
     # eagle3 trees: 0, the leaves are the chain's runners-up; k >= 2, EAGLE-2's expansion: each
     # depth also feeds the head k - 1 other nodes and keeps the top k children of each, so the

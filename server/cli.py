@@ -451,8 +451,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "--tree-leaves",
                 type=int,
-                help="EAGLE-3 draft trees: up to N of the head's runners-up verified beside its "
-                "chain where the controller finds they pay; 0: chains (env SPECD_TREE_LEAVES)",
+                help="draft trees: up to N of the EAGLE-3 head's runners-up (or the suffix "
+                "drafter's other continuations) verified beside its chain where the controller "
+                "finds they pay; 0: chains (env SPECD_TREE_LEAVES)",
             )
             p.add_argument(
                 "--tree-topk",
