@@ -11,6 +11,12 @@ Workloads (greedy, one request at a time, chat template):
 * ``retry``: an MT-Bench question asked a second time by another request (a retry, a second
   user): the timed request's answer repeats the first request's output, which is not in its
   prompt -- only the suffix drafter's shared index of recent outputs can copy it;
+* ``tools``: a tool-call loop: a shared system prompt with one tool, a task over several files,
+  and each step's request holds the calls made so far and their results (HumanEval sources);
+  the answer is the next call, in the format of the earlier ones;
+* ``docs``: one document (a HumanEval function) edited by several requests, each asking a
+  different small edit: every answer repeats most of the document, which the earlier edits'
+  outputs hold too;
 * ``chat``: MT-Bench questions, each once: open text, where a copying drafter finds little (its
   cost shows here).
 
@@ -31,6 +37,23 @@ reverse), so machine noise hits all alike.
 ``--hybrid``: the config's EAGLE-3 head (method eagle3) with the suffix drafter as its copier
 (``drafter.suffix_fallback``, default the config's ``ngram_fallback``) against the n-gram lookup
 as its copier (the same minimum match), and off (loadtest/results/suffix_hybrid.txt).
+
+``--modes``: which of off, suffix, suffix-tree (the suffix drafter with draft trees of up to
+``--tree-leaves`` leaves where the adaptive controller finds they pay), ngram, suffix-k run.
+
+``--llama-server PATH``: the same requests (the same token ids, greedy, the same max tokens, in
+the same order, the earlier request of a workload sent first, untimed) also go to llama.cpp's
+``llama-server`` on the config's GGUF (2 threads, one slot), once plain and once with each of
+its n-gram speculative modes (``--llama-modes``; ``spec-default`` is ``--spec-default``, the
+rest ``--spec-type``, each at llama-server's own defaults), after specd's modes, each with the
+same untimed first sweep and fastest of the timed ones. llama-server's tok/s is its own
+decoding timing (``timings.predicted_n / predicted_ms``: after the prompt, the first token
+included), as specd's is its decoding after the first token: neither counts HTTP or the
+prefill (loadtest/results/suffix_llama.txt).
+
+    python -m loadtest.bench.suffix --prompts 4 --max-tokens 128 --modes off,suffix,suffix-tree \
+        --llama-server loadtest/envs/llama-server/build/bin/llama-server \
+        --out loadtest/results/suffix_llama.txt
 """
 
 from __future__ import annotations
@@ -43,19 +66,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from engine.builder import build_engine
 from engine.config import EngineConfig
 from engine.drafters.hybrid import HybridDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.drafters.suffix import SuffixDrafter
 from engine.drafters.suffix_index import SuffixIndex
+from engine.kcontrol.controller import AdaptiveK
+from engine.model.loader import resolve_source
 from engine.records.params import SamplingParams, SpecParams
 from loadtest.machine import cpu_description
+from loadtest.server_proc import HOST, spawn
 from prompts.sets import chat_ids, humaneval_file, mt_bench
 
 # off; the suffix and n-gram drafters under the adaptive controller; the suffix drafter asked
 # for K_max every round (what it proposes where a copy is there to take, whatever the controller)
 MODES = ("off", "suffix", "ngram", "suffix-k")
+EVERY_MODE = ("off", "suffix", "suffix-tree", "ngram", "suffix-k")
+# llama-server's n-gram speculative modes: name -> its flags (beside plain, no flag)
+LLAMA_MODES = {
+    "spec-default": ["--spec-default"],
+    "ngram-simple": ["--spec-type", "ngram-simple"],
+    "ngram-map-k": ["--spec-type", "ngram-map-k"],
+    "ngram-map-k4v": ["--spec-type", "ngram-map-k4v"],
+    "ngram-mod": ["--spec-type", "ngram-mod"],
+    "ngram-cache": ["--spec-type", "ngram-cache"],
+}
 # --hybrid: the config's EAGLE-3 head with the suffix drafter or the n-gram lookup as its copier
 HYBRID_MODES = ("off", "eagle3+suffix", "eagle3+ngram")
 # open questions whose answers are prose (writing, roleplay, stem, humanities)
@@ -84,9 +122,10 @@ def questions(n: int, skip: int = 0) -> list[str]:
 
 
 class Bench:
-    def __init__(self, config: str, max_tokens: int, hybrid: bool = False):
+    def __init__(self, config: str, max_tokens: int, hybrid: bool = False, leaves: int = 3):
         """``hybrid``: the config's EAGLE-3 head (method eagle3) with a copier, else the suffix
-        drafter alone."""
+        drafter alone; ``leaves``: the suffix-tree mode's most leaves a tree."""
+        self.leaves = leaves
         cfg = EngineConfig.from_yaml(config)
         d = cfg.drafter
         if hybrid:
@@ -128,6 +167,9 @@ class Bench:
             return
         guard.inner = self.ngram if mode == "ngram" else self.suffix
         self.engine.drafter = guard.inner
+        ctl = self.engine.controller  # draft trees in the suffix-tree mode only
+        if isinstance(ctl, AdaptiveK):
+            ctl.max_leaves = self.leaves if mode == "suffix-tree" else 0
 
     def run(self, ids: list[int], mode: str) -> tuple[int, int, float, float, list[int]]:
         """One request alone, its decoding after the first token (what speculation changes; the
@@ -185,7 +227,100 @@ def workloads(b: Bench, n: int) -> dict[str, Requests]:
         )
     retry: Requests = [(b.chat(q), b.chat(q)) for q in questions(n, skip=n)]
     chat: Requests = [(None, b.chat(q)) for q in questions(n, skip=2 * n)]
-    return {"rename": rename, "as-list": as_list, "retry": retry, "chat": chat}
+    return {
+        "rename": rename,
+        "as-list": as_list,
+        "retry": retry,
+        "tools": tool_loop(b, n),
+        "docs": edits(b, n),
+        "chat": chat,
+    }
+
+
+TOOL_SYSTEM = (
+    "You are a coding agent. You can call one tool, read_file, which returns a file's text. "
+    'To call it, answer with one JSON object only: {"name": "read_file", "arguments": {"path": '
+    '"<path>"}}.'
+)
+
+
+def tool_loop(b: Bench, n: int) -> Requests:
+    """One agent loop of ``n`` steps: step i's request holds the task, the i calls made before
+    and their results (HumanEval sources), and asks for the next call."""
+    files = humaneval_functions(n + 1)
+    paths = [f"src/{name}.py" for name, _ in files]
+    task = (
+        "Read these files one by one, in this order, with read_file: "
+        + ", ".join(paths)
+        + ". Then summarise what they do."
+    )
+    out: Requests = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": task}]
+        for path, (_, src) in zip(paths[:i], files):
+            call = {"name": "read_file", "arguments": {"path": path}}
+            msgs.append({"role": "assistant", "content": json.dumps(call)})
+            msgs.append({"role": "user", "content": f"read_file result for {path}:\n{src}"})
+        out.append((None, chat_ids(b.tok, msgs)))
+    return out
+
+
+EDITS = (
+    "Add a one-line comment above every return statement.",
+    "Rename every local variable to a longer, clearer name.",
+    "Add type hints to the function's parameters.",
+    "Replace double quotes with single quotes in the code.",
+    "Add a line that prints the result before it is returned.",
+    "Put a blank line after the docstring.",
+)
+
+
+def edits(b: Bench, n: int) -> Requests:
+    """One document (a HumanEval function) and ``n`` requests, each asking a different edit and
+    the whole function back."""
+    _, src = humaneval_functions(2 * n + 1)[-1]
+    return [
+        (
+            None,
+            b.chat(
+                f"Here is a Python function:\n\n```python\n{src}```\n\n{EDITS[i % len(EDITS)]} "
+                "Answer with the whole edited function only."
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+class Llama:
+    """llama.cpp's llama-server on the config's GGUF (2 threads, one slot, started per mode)."""
+
+    def __init__(self, binary: str, config: str, max_tokens: int):
+        self.binary, self.max_tokens = binary, max_tokens
+        self.gguf = resolve_source(EngineConfig.from_yaml(config).model.source).location
+
+    def argv(self, flags: list[str]) -> list[str]:
+        base = [self.binary, "-m", self.gguf, "-t", "2", "-tb", "2", "-c", "8192", "-np", "1"]
+        return base + ["--host", HOST, "--port", "0", *flags]
+
+    def run(self, url: str, ids: list[int]) -> tuple[int, int, float, list[int]]:
+        """One greedy request: (tokens, target passes or -1 where not reported, seconds of its
+        own decoding timing, the output's ids)."""
+        body = {
+            "prompt": ids,
+            "n_predict": self.max_tokens,
+            "temperature": 0,
+            "top_k": 1,
+            "cache_prompt": True,
+            "return_tokens": True,
+        }
+        r = httpx.post(f"{url}/completion", json=body, timeout=600)
+        r.raise_for_status()
+        res = r.json()
+        t = res["timings"]
+        made = int(t["predicted_n"])
+        accepted = t.get("draft_n_accepted")
+        passes = made - int(accepted) if accepted is not None else -1
+        return made, passes, float(t["predicted_ms"]) / 1000, list(res.get("tokens") or [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,12 +336,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the config's EAGLE-3 head with the suffix drafter vs the n-gram lookup as copier",
     )
+    ap.add_argument("--modes", help=f"specd's modes, of {','.join(EVERY_MODE)} (default: {MODES})")
+    ap.add_argument("--tree-leaves", type=int, default=3, help="suffix-tree: most leaves a tree")
+    ap.add_argument("--workloads", help="which workloads, comma-separated (default: all)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary: measured too")
+    ap.add_argument(
+        "--llama-modes",
+        default="spec-default,ngram-simple,ngram-map-k,ngram-cache",
+        help=f"llama-server's n-gram modes beside plain, of {','.join(LLAMA_MODES)}",
+    )
     ap.add_argument("--out", default=None, help="default loadtest/results/suffix[_hybrid].txt")
     args = ap.parse_args(argv)
     out_path = args.out or f"loadtest/results/suffix{'_hybrid' if args.hybrid else ''}.txt"
-    modes = HYBRID_MODES if args.hybrid else MODES
-    b = Bench(args.config, args.max_tokens, args.hybrid)
+    modes: tuple[str, ...] = HYBRID_MODES if args.hybrid else MODES
+    if args.modes:
+        modes = tuple(args.modes.split(","))
+        if "off" not in modes or not set(modes) <= set(EVERY_MODE + HYBRID_MODES):
+            raise SystemExit(f"--modes: off and any of {', '.join(EVERY_MODE)}")
+    b = Bench(args.config, args.max_tokens, args.hybrid, args.tree_leaves)
     loads = workloads(b, args.prompts)
+    if args.workloads:
+        loads = {w: loads[w] for w in args.workloads.split(",")}
     # runs[(workload, mode, request)]: (tokens, passes, seconds, seconds drafting) of each timed
     # repeat; a request's fastest repeat counts (other work on a shared machine only slows)
     runs: dict[tuple[str, str, int], list[tuple[int, int, float, float]]] = {}
@@ -218,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeat + 1)
         for w_i, (name, reqs) in enumerate(loads.items())
     ]
+    offs: dict[tuple[str, int], list[int]] = {}  # specd's plain output per request
     for rep, w_i, name, reqs in sweeps:
         order = modes if (w_i + rep) % 2 == 0 else modes[::-1]
         outputs: dict[str, list[list[int]]] = {}
@@ -230,7 +381,30 @@ def main(argv: list[str] | None = None) -> int:
                 if rep > 0:
                     runs.setdefault((name, mode, i), []).append((n_tok, passes, secs, drafting))
                 outputs.setdefault(mode, []).append(out)
+                if mode == "off":
+                    offs[(name, i)] = out
         same &= all(outputs[m] == outputs["off"] for m in modes)
+    llama_modes: list[str] = []
+    same_llama = 0  # requests whose llama-server plain output is specd's plain one
+    if args.llama_server:
+        llama = Llama(args.llama_server, args.config, args.max_tokens)
+        llama_modes = ["llama"] + [f"llama {m}" for m in args.llama_modes.split(",")]
+        log = Path(out_path).with_suffix(".llama-server.log")
+        for mode in llama_modes:
+            flags = LLAMA_MODES[mode.split(" ")[1]] if " " in mode else []
+            with spawn(
+                llama.argv(flags), ready_path="/health", name="llama-server", log=log
+            ) as srv:
+                for rep, _, name, reqs in sweeps:
+                    for i, (first, ids) in enumerate(reqs):
+                        if first is not None:
+                            llama.run(srv.url, first)
+                        n_tok, passes, secs, out = llama.run(srv.url, ids)
+                        if rep > 0:
+                            runs.setdefault((name, mode, i), []).append((n_tok, passes, secs, 0))
+                        if mode == "llama" and rep == 0:
+                            # (the first token: the GGUF's numerics may part from specd's later)
+                            same_llama += out[:1] == offs[(name, i)][1:2] or out == offs[(name, i)]
     totals: dict[tuple[str, str], list[float]] = {}
     for (name, mode, _), reps in runs.items():
         fastest = min(reps, key=lambda r: r[2])
@@ -245,6 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     command = (
         f"python -m loadtest.bench.suffix --config {args.config} --prompts {args.prompts} "
         f"--max-tokens {args.max_tokens} --repeat {args.repeat}{' --hybrid' if args.hybrid else ''}"
+        + (f" --modes {args.modes}" if args.modes else "")
+        + (f" --tree-leaves {args.tree_leaves}" if "suffix-tree" in modes else "")
+        + (f" --workloads {args.workloads}" if args.workloads else "")
+        + (
+            f" --llama-server {args.llama_server} --llama-modes {args.llama_modes}"
+            if llama_modes
+            else ""
+        )
     )
     setup = (
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model {c.model.name} "
@@ -252,19 +434,49 @@ def main(argv: list[str] | None = None) -> int:
         f"{c.drafter.k_max}"
     )
     lines = [head, command, f"CPU: {cpu_description()}", setup, ""]
+    if llama_modes:
+        note = (
+            f"llama-server: {llama.gguf}, -t 2 -tb 2 -c 8192 -np 1, greedy (temperature 0, "
+            "top_k 1); its tok/s from its own timings (decoding after the prompt), tok/pass "
+            "where it reports draft_n_accepted; vs llama: / llama-server plain"
+        )
+        lines += [note, ""]
     lines.append(
-        f"{'workload':<10}{'mode':<15}{'tokens':>8}{'tok/pass':>10}{'tok/s':>9}{'vs off':>8}"
-        f"{'draft ms/pass':>15}"
+        f"{'workload':<10}{'mode':<22}{'tokens':>8}{'tok/pass':>10}{'tok/s':>9}{'vs off':>8}"
+        + (f"{'vs llama':>10}" if llama_modes else "")
+        + f"{'draft ms/pass':>15}"
     )
     for name in loads:
         off = totals[(name, "off")]
-        for mode in modes:
+        plain_llama = totals.get((name, "llama"))
+        for mode in list(modes) + llama_modes:
             made, per, spent, drafted_s = totals[(name, mode)]
             rate = made / spent
             ratio = rate / (off[0] / off[2])
-            row = f"{name:<10}{mode:<15}{int(made):>8}{made / per:>10.2f}{rate:>9.1f}"
-            lines.append(f"{row}{ratio:>7.2f}x{1000 * drafted_s / per:>15.2f}")
-    lines += ["", f"outputs identical across modes: {same}"]
+            tau = f"{made / per:>10.2f}" if per > 0 else f"{'-':>10}"
+            row = f"{name:<10}{mode:<22}{int(made):>8}{tau}{rate:>9.1f}{ratio:>7.2f}x"
+            if plain_llama is not None:
+                row += f"{rate / (plain_llama[0] / plain_llama[2]):>9.2f}x"
+            ms = f"{1000 * drafted_s / per:>15.2f}" if per > 0 and mode in modes else f"{'-':>15}"
+            lines.append(row + ms)
+    lines += ["", f"specd's outputs identical across its modes: {same}"]
+    if llama_modes:
+        n_req = sum(len(r) for r in loads.values())
+        lines.append(
+            f"llama-server plain's first token equal to specd plain's (or whole output): "
+            f"{same_llama} of {n_req} requests (other numerics: the GGUF's Q4_1 in ggml)"
+        )
+        lines += ["", "specd's best suffix mode / llama-server's best n-gram mode, tok/s:"]
+        ours = [m for m in modes if m.startswith("suffix")]
+        for name in loads:
+            best_s = max(ours, key=lambda m: totals[(name, m)][0] / totals[(name, m)][2])
+            spec_l = [m for m in llama_modes if m != "llama"]
+            best_l = max(spec_l, key=lambda m: totals[(name, m)][0] / totals[(name, m)][2])
+            rs = totals[(name, best_s)][0] / totals[(name, best_s)][2]
+            rl = totals[(name, best_l)][0] / totals[(name, best_l)][2]
+            lines.append(
+                f"  {name:<10}{best_s:<13}{rs:>7.1f} / {best_l:<20}{rl:>7.1f} = {rs / rl:.2f}x"
+            )
     text = "\n".join(lines)
     print(text)
     Path(out_path).write_text(text + "\n")
