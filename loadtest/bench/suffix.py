@@ -62,6 +62,7 @@ import argparse
 import gzip
 import json
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -384,12 +385,100 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "off":
                     offs[(name, i)] = out
         same &= all(outputs[m] == outputs["off"] for m in modes)
+
+    def report(llama_done: list[str], gguf: str = "") -> str:
+        """The results so far (specd's modes, and llama-server's ``llama_done``) into
+        ``out_path``: a run cut short keeps what it measured."""
+        totals: dict[tuple[str, str], list[float]] = {}
+        for (name, mode, _), reps in runs.items():
+            fastest = min(reps, key=lambda r: r[2])
+            tot = totals.setdefault((name, mode), [0.0, 0.0, 0.0, 0.0])
+            for j in range(4):
+                tot[j] += fastest[j]
+        c = b.built.config
+        head = (
+            "Suffix decoding on repetitive workloads: loadtest/bench/suffix.py, in-process, "
+            "greedy, one request at a time"
+        )
+        command = (
+            f"python -m loadtest.bench.suffix --config {args.config} --prompts {args.prompts} "
+            f"--max-tokens {args.max_tokens} --repeat {args.repeat}"
+            + (" --hybrid" if args.hybrid else "")
+            + (f" --modes {args.modes}" if args.modes else "")
+            + (f" --tree-leaves {args.tree_leaves}" if "suffix-tree" in modes else "")
+            + (f" --workloads {args.workloads}" if args.workloads else "")
+            + (
+                f" --llama-server {args.llama_server} --llama-modes {args.llama_modes}"
+                if llama_done
+                else ""
+            )
+        )
+        setup = (
+            f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model {c.model.name} "
+            f"({c.model.dtype}), compile {'on' if c.compile.enabled else 'off'}, adaptive K up to "
+            f"{c.drafter.k_max}"
+        )
+        lines = [head, command, f"CPU: {cpu_description()}", setup, ""]
+        if llama_done:
+            note = (
+                f"llama-server: {gguf}, -t 2 -tb 2 -c 8192 -np 1, greedy (temperature 0, "
+                "top_k 1); its tok/s from its own timings (decoding after the prompt), tok/pass "
+                "where it reports draft_n_accepted; vs llama: / llama-server plain"
+            )
+            lines += [note, ""]
+        lines.append(
+            f"{'workload':<10}{'mode':<22}{'tokens':>8}{'tok/pass':>10}{'tok/s':>9}{'vs off':>8}"
+            + (f"{'vs llama':>10}" if llama_done else "")
+            + f"{'draft ms/pass':>15}"
+        )
+        for name in loads:
+            off = totals[(name, "off")]
+            plain_llama = totals.get((name, "llama"))
+            for mode in list(modes) + llama_done:
+                made, per, spent, drafted_s = totals[(name, mode)]
+                rate = made / spent
+                ratio = rate / (off[0] / off[2])
+                tau = f"{made / per:>10.2f}" if per > 0 else f"{'-':>10}"
+                row = f"{name:<10}{mode:<22}{int(made):>8}{tau}{rate:>9.1f}{ratio:>7.2f}x"
+                if plain_llama is not None:
+                    row += f"{rate / (plain_llama[0] / plain_llama[2]):>9.2f}x"
+                ms = (
+                    f"{1000 * drafted_s / per:>15.2f}"
+                    if per > 0 and mode in modes
+                    else f"{'-':>15}"
+                )
+                lines.append(row + ms)
+        lines += ["", f"specd's outputs identical across its modes: {same}"]
+        if llama_done:
+            n_req = sum(len(r) for r in loads.values())
+            lines.append(
+                f"llama-server plain's first token equal to specd plain's (or whole output): "
+                f"{same_llama} of {n_req} requests (other numerics: the GGUF's Q4_1 in ggml)"
+            )
+            ours = [m for m in modes if m.startswith("suffix")]
+            spec_l = [m for m in llama_done if m != "llama"]
+            if ours and spec_l:
+                lines += ["", "specd's best suffix mode / llama-server's best n-gram mode, tok/s:"]
+            for name in loads if ours and spec_l else []:
+                best_s = max(ours, key=lambda m: totals[(name, m)][0] / totals[(name, m)][2])
+                best_l = max(spec_l, key=lambda m: totals[(name, m)][0] / totals[(name, m)][2])
+                rs = totals[(name, best_s)][0] / totals[(name, best_s)][2]
+                rl = totals[(name, best_l)][0] / totals[(name, best_l)][2]
+                lines.append(
+                    f"  {name:<10}{best_s:<13}{rs:>7.1f} / {best_l:<20}{rl:>7.1f} = {rs / rl:.2f}x"
+                )
+        text = "\n".join(lines)
+        Path(out_path).write_text(text + "\n")
+        return text
+
+    report([])  # specd's modes, kept should llama-server's runs be cut short
     llama_modes: list[str] = []
     same_llama = 0  # requests whose llama-server plain output is specd's plain one
     if args.llama_server:
         llama = Llama(args.llama_server, args.config, args.max_tokens)
         llama_modes = ["llama"] + [f"llama {m}" for m in args.llama_modes.split(",")]
-        log = Path(out_path).with_suffix(".llama-server.log")
+        # the last mode's server log, outside the results (a log is no finding)
+        log = Path(tempfile.gettempdir()) / "suffix-llama-server.log"
         for mode in llama_modes:
             flags = LLAMA_MODES[mode.split(" ")[1]] if " " in mode else []
             with spawn(
@@ -405,81 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                         if mode == "llama" and rep == 0:
                             # (the first token: the GGUF's numerics may part from specd's later)
                             same_llama += out[:1] == offs[(name, i)][1:2] or out == offs[(name, i)]
-    totals: dict[tuple[str, str], list[float]] = {}
-    for (name, mode, _), reps in runs.items():
-        fastest = min(reps, key=lambda r: r[2])
-        tot = totals.setdefault((name, mode), [0.0, 0.0, 0.0, 0.0])
-        for j in range(4):
-            tot[j] += fastest[j]
-    c = b.built.config
-    head = (
-        "Suffix decoding on repetitive workloads: loadtest/bench/suffix.py, in-process, greedy, "
-        "one request at a time"
-    )
-    command = (
-        f"python -m loadtest.bench.suffix --config {args.config} --prompts {args.prompts} "
-        f"--max-tokens {args.max_tokens} --repeat {args.repeat}{' --hybrid' if args.hybrid else ''}"
-        + (f" --modes {args.modes}" if args.modes else "")
-        + (f" --tree-leaves {args.tree_leaves}" if "suffix-tree" in modes else "")
-        + (f" --workloads {args.workloads}" if args.workloads else "")
-        + (
-            f" --llama-server {args.llama_server} --llama-modes {args.llama_modes}"
-            if llama_modes
-            else ""
-        )
-    )
-    setup = (
-        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model {c.model.name} "
-        f"({c.model.dtype}), compile {'on' if c.compile.enabled else 'off'}, adaptive K up to "
-        f"{c.drafter.k_max}"
-    )
-    lines = [head, command, f"CPU: {cpu_description()}", setup, ""]
-    if llama_modes:
-        note = (
-            f"llama-server: {llama.gguf}, -t 2 -tb 2 -c 8192 -np 1, greedy (temperature 0, "
-            "top_k 1); its tok/s from its own timings (decoding after the prompt), tok/pass "
-            "where it reports draft_n_accepted; vs llama: / llama-server plain"
-        )
-        lines += [note, ""]
-    lines.append(
-        f"{'workload':<10}{'mode':<22}{'tokens':>8}{'tok/pass':>10}{'tok/s':>9}{'vs off':>8}"
-        + (f"{'vs llama':>10}" if llama_modes else "")
-        + f"{'draft ms/pass':>15}"
-    )
-    for name in loads:
-        off = totals[(name, "off")]
-        plain_llama = totals.get((name, "llama"))
-        for mode in list(modes) + llama_modes:
-            made, per, spent, drafted_s = totals[(name, mode)]
-            rate = made / spent
-            ratio = rate / (off[0] / off[2])
-            tau = f"{made / per:>10.2f}" if per > 0 else f"{'-':>10}"
-            row = f"{name:<10}{mode:<22}{int(made):>8}{tau}{rate:>9.1f}{ratio:>7.2f}x"
-            if plain_llama is not None:
-                row += f"{rate / (plain_llama[0] / plain_llama[2]):>9.2f}x"
-            ms = f"{1000 * drafted_s / per:>15.2f}" if per > 0 and mode in modes else f"{'-':>15}"
-            lines.append(row + ms)
-    lines += ["", f"specd's outputs identical across its modes: {same}"]
-    if llama_modes:
-        n_req = sum(len(r) for r in loads.values())
-        lines.append(
-            f"llama-server plain's first token equal to specd plain's (or whole output): "
-            f"{same_llama} of {n_req} requests (other numerics: the GGUF's Q4_1 in ggml)"
-        )
-        lines += ["", "specd's best suffix mode / llama-server's best n-gram mode, tok/s:"]
-        ours = [m for m in modes if m.startswith("suffix")]
-        for name in loads:
-            best_s = max(ours, key=lambda m: totals[(name, m)][0] / totals[(name, m)][2])
-            spec_l = [m for m in llama_modes if m != "llama"]
-            best_l = max(spec_l, key=lambda m: totals[(name, m)][0] / totals[(name, m)][2])
-            rs = totals[(name, best_s)][0] / totals[(name, best_s)][2]
-            rl = totals[(name, best_l)][0] / totals[(name, best_l)][2]
-            lines.append(
-                f"  {name:<10}{best_s:<13}{rs:>7.1f} / {best_l:<20}{rl:>7.1f} = {rs / rl:.2f}x"
-            )
-    text = "\n".join(lines)
-    print(text)
-    Path(out_path).write_text(text + "\n")
+            report(llama_modes[: llama_modes.index(mode) + 1], llama.gguf)
+    print(report(llama_modes, llama.gguf) if llama_modes else report([]))
     return 0
 
 
