@@ -171,6 +171,20 @@ def outputs(seqs):
     return [s.output_ids for s in seqs]
 
 
+def spy_closed_walk(monkeypatch) -> list[bool]:
+    """Record, per call of the tree rule's closed form (tree.closed_walk), whether it ran with
+    sampled rows (noise given); returns the list it appends to."""
+    closed: list[bool] = []
+    walk = tree_module.closed_walk
+
+    def counted(*a, **kw):
+        closed.append(kw.get("noise", a[7] if len(a) > 7 else None) is not None)
+        return walk(*a, **kw)
+
+    monkeypatch.setattr(tree_module, "closed_walk", counted)
+    return closed
+
+
 # -- the test itself -------------------------------------------------------------------------------
 def test_chi_square_helper():
     """Textbook quantiles (95th and 99.9th percentiles), pooling, and impossible outcomes."""
@@ -425,14 +439,7 @@ def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None
         tree_topk=topk,
     )  # fmt: skip
     deep = spy_deep_paths(monkeypatch)  # accepted nodes below a runner-up, per round
-    closed = []  # rounds the rule ran in closed form with sampled rows (tree.closed_walk)
-    walk = tree_module.closed_walk
-
-    def counted(*a, **kw):
-        closed.append(kw.get("noise", a[7] if len(a) > 7 else None) is not None)
-        return walk(*a, **kw)
-
-    monkeypatch.setattr(tree_module, "closed_walk", counted)
+    closed = spy_closed_walk(monkeypatch)
     params = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
     )
@@ -511,14 +518,7 @@ def sample_suffix_trees(models, monkeypatch, temperature, top_k, top_p, n=N, wro
         wrong(monkeypatch)
     engine = engine_for(models, "suffix", **SIZES, controller=FixedK(K, LEAVES))
     deep = spy_deep_paths(monkeypatch)  # accepted nodes below a branch, per round
-    closed = []  # rounds the rule ran in closed form with sampled rows (tree.closed_walk)
-    walk = tree_module.closed_walk
-
-    def counted(*a, **kw):
-        closed.append(kw.get("noise", a[7] if len(a) > 7 else None) is not None)
-        return walk(*a, **kw)
-
-    monkeypatch.setattr(tree_module, "closed_walk", counted)
+    closed = spy_closed_walk(monkeypatch)
     params = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
     )
