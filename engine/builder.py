@@ -174,7 +174,7 @@ def head_runner(
     positions, the head's matrices 4-bit with ``q4``, and ``compile``'s fast path over the query
     lengths the head's calls take (None: eager)."""
     if compile is not None:
-        compile = dataclasses.replace(compile, q_buckets=step_buckets())
+        compile = dataclasses.replace(compile, q_buckets=step_buckets(), whole_stack=True)
     return ModelRunner(head_stack(head, embed, q4), num_slots, max_len, compile=compile)
 
 

@@ -109,7 +109,8 @@ def draws(engine, prompt, n=4000, max_tokens=6, k=4, **sampling) -> list[list[in
 
 def head_call(d: EagleDrafter, rows: int, q: int, ingest: bool, kv_len: int, seed: int):
     """The head's runner (its fast path, or eager inside ``d.head_runner.eager()``) on random
-    inputs of this shape, rows in slots 0.. at positions ``kv_len - q ..``; returns its outputs
+    inputs of this shape, rows in slots 0.. at positions ``kv_len - q ..`` (odd rows one query
+    short); returns its outputs
     ``[rows, hidden]``, logits ``[rows, draft_vocab]`` at each row's last query and the K written
     (the cache and its lengths restored)."""
     g = torch.Generator().manual_seed(seed)
@@ -121,7 +122,8 @@ def head_call(d: EagleDrafter, rows: int, q: int, ingest: bool, kv_len: int, see
     k0, v0, lengths = c.k[0].clone(), c.v[0].clone(), list(c.lengths)
     for s in range(rows):
         c.lengths[s] = kv_len - q
-    f = d.head_runner.forward(ids, list(range(rows)), [q] * rows, x=x)
+    counts = [q - (r % 2 and q > 1) for r in range(rows)]  # ragged: odd rows one query short
+    f = d.head_runner.forward(ids, list(range(rows)), counts, x=x)
     written = c.k[0][:rows, :, kv_len - q : kv_len].clone()
     c.k[0].copy_(k0)
     c.v[0].copy_(v0)

@@ -27,7 +27,9 @@ The compiled unit is the one the eager path runs, :func:`engine.model.layer.laye
 every group of the same structure and both paths compute the same thing (the lossless tests run
 with compilation on, fp32). Per group of layers, not per layer (Dynamo's per-call cost is paid
 per graph, so once per layer and step) nor the whole stack (far longer to compile for little
-more speed); the figures are in docs/measurements.md.
+more speed); the figures are in docs/measurements.md. A stack of one group (the EAGLE-3 head's
+one layer: ``CompileConfig.whole_stack``) compiles whole instead, its input adapter and output
+with the layer (group_graphs.py's ``stack_last``), for the calls that read each row's last logits.
 
 Graphs are picked by key, without Dynamo's guards (engine/model/group_graphs.py).
 """
@@ -37,11 +39,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.model.group_graphs import GroupGraphs
+from engine.model.group_graphs import GroupGraphs, StackGraphs
+from engine.model.stack import Forward
 from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import to_device
 
@@ -79,6 +82,10 @@ class CompileConfig:
     # inductor keeps fused intermediates in float32 (then a 1-row graph and the eager prefill
     # each round differently)
     eager_numerics: bool = True
+    # a stack of one layer group (the EAGLE-3 head's) compiles its input adapter, rotary
+    # embedding, mask and output (final norm, logits at each row's last query) into the group's
+    # graph: its step is one layer, so the eager ops around it would cost a third of it
+    whole_stack: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> CompileConfig:
@@ -112,12 +119,29 @@ def widths_input(runner: Stack, nb: int, qb: int) -> list[torch.Tensor | None]:
     ]
 
 
+class Padded(NamedTuple):
+    """A forward's rows laid over slots ``[0, nb)`` and ``qb`` queries
+    (:meth:`FastForward._pad`)."""
+
+    ids: torch.Tensor  # [nb, qb] on the device
+    pos: torch.Tensor  # [nb, qb] host: each query's position
+    write_pos: torch.Tensor  # [nb, qb] host: the cache column its K/V is written to
+    row_start: list[int]  # [nb] each row's committed length
+    kv_len: int  # the key length read, padded
+    x: torch.Tensor | None  # [nb, qb, width]: the input adapter's other input
+    slot_t: torch.Tensor  # [batch] the forward's rows' slots, on the device
+
+
 class FastForward:
     """Compiled fixed-shape forward of one :class:`~engine.model.runner.ModelRunner`."""
 
     # whether a verify of draft trees runs here (a class attribute: GraphForward, whose verify
     # graphs record their mask from static inputs, does not run this __init__)
     takes_trees = True
+    # the whole stack's graphs (``CompileConfig.whole_stack``), for calls that read the logits at
+    # each row's last query; None: the eager output around the group graphs (GraphForward
+    # captures the input adapter with the layers, and replays them without per-op cost)
+    whole: StackGraphs | None = None
 
     def __init__(self, runner: Stack, cfg: CompileConfig, k_max: int):
         self._buckets(runner, cfg, k_max)
@@ -143,6 +167,8 @@ class FastForward:
         self.graphs = GroupGraphs(
             cfg.backend, mode, self.dynamic, self.full_kv, eager_numerics=cfg.eager_numerics
         )
+        if cfg.whole_stack and len(runner.weights) <= cfg.layers_per_graph and not self.full_kv:
+            self.whole = StackGraphs(cfg.backend, mode, self.dynamic, cfg.eager_numerics)
 
     def _buckets(self, runner: Stack, cfg: CompileConfig, k_max: int) -> None:
         self.runner, self.cfg, self.calls = runner, cfg, 0
@@ -176,13 +202,79 @@ class FastForward:
         input adapter's other input); returns their final-normed hidden states
         ``[batch, q, hidden]`` and tapped inputs ``[batch, q, taps * hidden]``, or None when
         the shape is outside the buckets."""
+        if tree is not None and not self.takes_trees:
+            return None
+        padded = self._pad(ids, slots, starts, counts, x)
+        if padded is None:
+            return None
+        p, q = padded, ids.shape[1]
+        nb, qb = p.ids.shape
+        pos, tree_b = p.pos, None
+        rows_at: list[int] | torch.Tensor = p.row_start  # [nb] each row's start
+        if tree is not None:
+            tree_b = self._tree_rows(tree, p.slot_t, nb, qb, q)
+            starts_t = to_device(p.row_start, torch.long, self.runner.device)
+            pos, rows_at = starts_t[:, None] + tree_b.depth, starts_t  # pos on the device [nb, qb]
+        h, tapped = self._call(p.ids, pos, p.write_pos, p.kv_len, tree_b, rows_at, p.x)
+        # the rows of this forward's slots
+        return h[p.slot_t, :q], (tapped[p.slot_t, :q] if tapped is not None else None)
+
+    def run_last(
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        x: torch.Tensor | None = None,
+    ) -> Forward | None:
+        """:meth:`run`'s rows through the whole stack's graph (``CompileConfig.whole_stack``):
+        the :class:`Forward` at each row's last valid query (logits ``[batch, vocab]``), or None
+        where there is no such graph or the shape is outside the buckets."""
+        if self.whole is None:
+            return None
+        padded = self._pad(ids, slots, starts, counts, x)
+        if padded is None:
+            return None
+        p, dev, q = padded, self.runner.device, ids.shape[1]
+        nb = p.ids.shape[0]
+        last = [0] * nb  # each row's last valid query (padding rows: 0)
+        for s, n in zip(slots, counts):
+            last[s] = n - 1
+        slot_t = p.slot_t
+        self.calls += 1
+        logits, tapped, output = self.whole(
+            self.runner,
+            p.ids,
+            to_device(p.pos, None, dev),
+            to_device(p.write_pos, None, dev),
+            torch.arange(nb, device=dev),
+            torch.arange(p.kv_len, device=dev),
+            to_device(last, torch.long, dev),
+            p.x,
+        )
+        return Forward(
+            logits[slot_t],
+            tapped[slot_t, :q] if tapped is not None else None,
+            output[slot_t] if output is not None else None,
+        )
+
+    def _pad(
+        self,
+        ids: torch.Tensor,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        x: torch.Tensor | None,
+    ) -> Padded | None:
+        """The forward over slots ``[0, nb)`` that runs :meth:`run`'s rows, or None outside the
+        buckets. Padding rows feed zero tokens at position 0."""
         runner, dev = self.runner, self.runner.device
         q = ids.shape[1]
         shape = self.bucket_shape(max(slots) + 1, q)
         if shape is None:
             return None
         nb, qb = shape
-        row_start, row_count = [0] * nb, [0] * nb  # padding rows: zero tokens at position 0
+        row_start, row_count = [0] * nb, [0] * nb
         for s, st, n in zip(slots, starts, counts):
             row_start[s], row_count[s] = st, n
         pos, write_pos = runner.cache.positions(row_start, row_count, qb)  # [nb, qb]
@@ -194,17 +286,7 @@ class FastForward:
             x_b = x.new_zeros(nb, qb, x.shape[-1])
             x_b[slot_t, :q] = x
         kv_len = self._kv_len(max(st + n for st, n in zip(starts, counts)))
-        rows_at: list[int] | torch.Tensor = row_start  # [nb]
-        tree_b = None
-        if tree is not None:
-            if not self.takes_trees:
-                return None
-            tree_b = self._tree_rows(tree, slot_t, nb, qb, q)
-            rows_at = to_device(row_start, torch.long, dev)
-            pos = rows_at[:, None] + tree_b.depth  # [nb, qb] on the device: start + depth
-        h, tapped = self._call(ids_b, pos, write_pos, kv_len, tree_b, rows_at, x_b)
-        # the rows of this forward's slots
-        return h[slot_t, :q], (tapped[slot_t, :q] if tapped is not None else None)
+        return Padded(ids_b, pos, write_pos, row_start, kv_len, x_b, slot_t)
 
     def _tree_rows(self, tree: Tree, slot_t: torch.Tensor, nb: int, qb: int, q: int) -> Tree:
         """The rows' tree laid out over slots ``[0, nb)`` and ``qb`` queries (padding rows and
@@ -262,6 +344,27 @@ class FastForward:
         )
 
     # -- start-up -------------------------------------------------------------------------------
+    def _warm(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_len: int,
+        x: torch.Tensor | None,
+    ) -> None:
+        """One scratch forward of a bucket: through the whole stack's graph where there is one
+        (the graphs its calls take; its group graphs, for hidden states or every query's logits,
+        compile at their first call), else the group graphs."""
+        if self.whole is None:
+            self._call(ids, pos, write_pos, kv_len, x=x)
+            return
+        dev, nb = self.runner.device, ids.shape[0]
+        rows = torch.arange(nb, device=dev)
+        last = torch.zeros(nb, dtype=torch.long, device=dev)
+        kv_idx = torch.arange(kv_len, device=dev)
+        pos, write_pos = to_device(pos, None, dev), to_device(write_pos, None, dev)
+        self.whole(self.runner, ids, pos, write_pos, rows, kv_idx, last, x)
+
     def warm_up(self) -> None:
         """Run every (batch, q) bucket once on scratch positions (compiles them). Nothing
         committed is touched: every token is written to the scratch column."""
@@ -275,7 +378,7 @@ class FastForward:
                     pos, write_pos = runner.cache.positions([0] * nb, [0] * nb, qb)
                     for x in widths_input(runner, nb, qb):
                         for kv in (self._kv_len(1), self._kv_len(self.cfg.kv_align + 1)):
-                            self._call(ids, pos, write_pos, kv, x=x)
+                            self._warm(ids, pos, write_pos, kv, x)
                     if dev.type == "cuda":
                         torch.cuda.synchronize()
                     log.info(

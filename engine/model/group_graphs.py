@@ -34,6 +34,7 @@ from engine.model.layer import layer_group
 
 if TYPE_CHECKING:
     from engine.model.layer import Caches, Group, GroupOut, LayerInputs
+    from engine.model.stack import Stack
 
 
 class GroupGraphs:
@@ -113,6 +114,74 @@ class GroupGraphs:
         for t, d in marks:
             if t.shape[d] > 1:
                 dynamo.mark_dynamic(t, d)
+
+
+def stack_last(
+    stack: Stack,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    write_pos: torch.Tensor,
+    rows: torch.Tensor,
+    kv_idx: torch.Tensor,
+    last: torch.Tensor,
+    x: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The whole of a one-group ``stack`` over slots ``[0, nb)`` (``rows``: their arange),
+    causally, as the fast path calls it (engine/model/compiled.py's ``FastForward.run_last``):
+    ids, pos, write_pos ``[nb, qb]``, keys read up to ``len(kv_idx)``, x ``[nb, qb, width]`` the
+    input adapter's other input. Returns, as ``stack.output`` makes them at query ``last[r]`` of
+    each row ``[nb]``: the logits ``[nb, vocab]``, the tapped inputs (every query's) and the
+    output fed back ``[nb, hidden]`` (or None)."""
+    n = len(stack.weights)
+    h, tapped = stack.layers_forward(
+        ids, pos, write_pos, rows, kv_idx, 0, group_fn=layer_group, group_size=n, x=x
+    )
+    f = stack.output(h[rows, last], tapped)  # at [nb, hidden]
+    return f.logits, f.tapped, f.output
+
+
+class StackGraphs:
+    """Callable as :func:`stack_last`; compiles a key's graph on its first call. One runner's
+    stack, so the weight structure, the cache's kind, dtypes and the device are fixed; the key is
+    the static dimensions (as :class:`GroupGraphs`'s) and the width of x (None: tokens only)."""
+
+    def __init__(self, backend: str, mode: str | None, dynamic: bool, eager_numerics: bool):
+        self.backend, self.mode, self.dynamic = backend, mode, dynamic
+        self.eager_numerics = eager_numerics
+        self.graphs: dict[tuple, Callable] = {}  # graph key -> its compiled stack_last
+
+    def __call__(
+        self,
+        stack: Stack,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        rows: torch.Tensor,
+        kv_idx: torch.Tensor,
+        last: torch.Tensor,
+        x: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        B, q = ids.shape
+        dims = (B == 1, q == 1) if self.dynamic else (B, q)
+        key = (dims, None if x is None else x.shape[-1])
+        fn = self.graphs.get(key)
+        if fn is None:
+            fn = self.graphs[key] = compile_guardless(
+                stack_last, self.backend, self.mode, self.eager_numerics
+            )
+            import torch._dynamo as dynamo
+
+            # the key length always; batch and q with dynamic shapes (sizes above 1: the key
+            # holds whether they are 1)
+            marks: list[tuple[torch.Tensor, int]] = [(kv_idx, 0)]
+            if self.dynamic:
+                marks += [(ids, 0), (ids, 1), (pos, 0), (pos, 1), (write_pos, 0)]
+                marks += [(write_pos, 1), (rows, 0), (last, 0)]
+                marks += [(x, 0), (x, 1)] if x is not None else []
+            for t, d in marks:
+                if t.shape[d] > 1:
+                    dynamo.mark_dynamic(t, d)
+        return fn(stack, ids, pos, write_pos, rows, kv_idx, last, x)
 
 
 def compile_guardless(

@@ -260,14 +260,18 @@ class ModelRunner:
             starts = self._starts(slots)
             self._reserve(slots, starts, counts)
             return Forward(*batch_invariant.forward(self, ids, slots, starts, counts, logits))
+        if logits == "last" and tree is None:
+            whole = self._whole(ids, slots, counts, x)
+            if whole is not None:
+                return whole
         h, tapped = self._stack(ids, slots, counts, tree, x)  # [batch, q, hidden]
         if logits == "last":
             B, dev = len(slots), self.device
             last = to_device([n - 1 for n in counts], torch.long, dev)
             h = h[torch.arange(B, device=dev), last]  # [batch, hidden]
-        return self._out(h, tapped)
+        return self.output(h, tapped)
 
-    def _out(self, h: torch.Tensor, tapped: torch.Tensor | None) -> Forward:
+    def output(self, h: torch.Tensor, tapped: torch.Tensor | None) -> Forward:
         """Logits ``[..., vocab]`` of the stack's hidden states ``h`` ``[..., hidden]`` (final-
         normed, or for a stack that feeds its output back the output itself, normed here)."""
         if self.feeds_back:
@@ -298,7 +302,7 @@ class ModelRunner:
             h, tapped = self.layers_forward(
                 ids, pos, write_pos, slot_t, kv_idx, None, mask=mask, x=x
             )
-        return self._out(h, tapped)
+        return self.output(h, tapped)
 
     @torch.inference_mode()
     def hidden(self, tokens: list[list[int]], slots: list[int], invariant: bool = False) -> Hidden:
@@ -332,6 +336,25 @@ class ModelRunner:
         blocks as a sequence grows)."""
         for s, st, n in zip(slots, starts, counts):
             self.cache.reserve(s, st + n)
+
+    def _whole(
+        self, ids: torch.Tensor, slots: list[int], counts: list[int], x: torch.Tensor | None
+    ) -> Forward | None:
+        """The forward through the fast path's whole-stack graph (``CompileConfig.whole_stack``),
+        logits at each row's last query; None where it has none or the shape is outside its
+        buckets (then :meth:`_stack` runs it)."""
+        fast = self._fast
+        if fast is None or fast.whole is None or self._eager_only:
+            return None
+        starts = self._starts(slots)
+        if max(s + n for s, n in zip(starts, counts)) > self.cache.max_len:
+            return None  # _stack refuses it
+        self._reserve(slots, starts, counts)
+        try:
+            return fast.run_last(ids, slots, starts, counts, x)
+        except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
+            self._drop_fast(e)  # the eager forward rewrites every position it wrote
+            return None
 
     def _stack(
         self,

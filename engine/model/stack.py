@@ -114,6 +114,8 @@ class Stack(Protocol):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor: ...
 
+    def output(self, h: torch.Tensor, tapped: torch.Tensor | None) -> Forward: ...
+
     def forward(
         self,
         tokens: list[list[int]] | torch.Tensor,

@@ -58,17 +58,18 @@ def randomize(d: EagleDrafter) -> None:
 
 @pytest.mark.parametrize("compile", [COMPILED, CAPTURED], ids=["compiled", "captured"])
 def test_the_heads_fast_path_computes_its_eager_forward(target, compile):
-    """Ingests and chained steps of many shapes through the fast path give the eager forward's
-    outputs, logits and written K; every call in the buckets took the fast path (its call count
-    grows by one each), the one past them ran eagerly, and nothing compiled or recorded after the
-    warm-up."""
+    """Ingests and chained steps of many shapes (rows of ragged lengths) through the fast path
+    give the eager forward's outputs, logits and written K; every call in the buckets took the
+    fast path (its call count grows by one each; compiled, the graphs of the whole stack, adapter
+    and output included), the one past them ran eagerly, and nothing compiled or recorded after
+    the warm-up."""
     engine, d = warmed(target, compile)
     fast = d.head_runner.fast
     assert isinstance(fast, GraphForward if compile is CAPTURED else FastForward)
     assert type(fast) is (GraphForward if compile is CAPTURED else FastForward)
     kind = "cuda-graphs" if compile is CAPTURED else "compiled"
     assert engine.forward_paths() == {"target": "eager", "head": kind}
-    made = len(fast.captured) if isinstance(fast, GraphForward) else len(fast.graphs.graphs)
+    made = graphs_made(fast)
     randomize(d)
     with torch.inference_mode():
         for i, (rows, q, ingest, kv_len) in enumerate(SHAPES):
@@ -79,9 +80,16 @@ def test_the_heads_fast_path_computes_its_eager_forward(target, compile):
             assert fast.calls == calls + (q <= fast.q_buckets[-1])
             for a, b in zip(got, ref):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    after = len(fast.captured) if isinstance(fast, GraphForward) else len(fast.graphs.graphs)
-    assert after == made  # the warm-up covered every shape
+    assert graphs_made(fast) == made  # the warm-up covered every shape
     assert d.head_runner.fast is fast  # never dropped
+    if not isinstance(fast, GraphForward):  # every call took the whole stack's graph
+        assert fast.whole is not None and fast.whole.graphs and not fast.graphs.graphs
+
+
+def graphs_made(fast: FastForward) -> int:
+    if isinstance(fast, GraphForward):
+        return len(fast.captured)
+    return len(fast.graphs.graphs) + (len(fast.whole.graphs) if fast.whole else 0)
 
 
 @pytest.mark.parametrize("compile", [COMPILED, CAPTURED], ids=["compiled", "captured"])
@@ -133,7 +141,7 @@ def test_a_failing_graph_leaves_the_head_eager(target):
     def broken(*args):
         raise RuntimeError("inductor failed")
 
-    fast.graphs = broken  # type: ignore[assignment]
+    fast.graphs = fast.whole = broken  # type: ignore[assignment]
     g = SamplingParams(temperature=0, max_tokens=12)
     p = prompts(1, seed=4)[0]
     ref = helpers.engine_for(target, None, slots=1).generate([p], g)[0].output_ids
