@@ -50,9 +50,10 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def tree_topk(d) -> int:
-    """The top-k the EAGLE-3 head's trees expand with: ``drafter.tree_topk`` where trees are on
-    (``tree_leaves``), else 0."""
-    return d.tree_topk if d.tree_leaves else 0
+    """The top-k the EAGLE-3 head's trees expand with: ``drafter.tree_topk`` where the head
+    drafts (``method: eagle3``) and trees are on (``tree_leaves``), else 0 (the suffix drafter's
+    trees are its index's branches: no head rows to price)."""
+    return d.tree_topk if d.tree_leaves and d.method == "eagle3" else 0
 
 
 def make_controller(d, drafter) -> KController:

@@ -249,7 +249,8 @@ def test_builder_tells_the_controller_which_drafters_always_propose():
     from engine.builder import make_controller
 
     d = SimpleNamespace(controller="adaptive", k_max=4, min_gain=0.01, probe_interval=2,
-                        probe_k=2, probe_budget=0.02, tree_leaves=3, tree_topk=4)  # fmt: skip
+                        probe_k=2, probe_budget=0.02, tree_leaves=3, tree_topk=4,
+                        method="eagle3")  # fmt: skip
     for samples in (True, False):  # a model drafter samples and always proposes; n-gram neither
         # and only a drafter that proposes runners-up (the EAGLE-3 head) is given tree leaves
         drafter = SimpleNamespace(samples=samples, steps=lambda w: w, trees=samples)
@@ -257,6 +258,10 @@ def test_builder_tells_the_controller_which_drafters_always_propose():
         assert isinstance(ctrl, AdaptiveK) and ctrl.always_drafts is samples
         assert ctrl.max_leaves == (3 if samples else 0)
         assert ctrl.expand_rows == (3 if samples else 0)  # an expanding head's B - 1 extras
+    # the suffix drafter's trees are branches of its index: leaves, but no head rows to price
+    suffix = SimpleNamespace(samples=False, steps=lambda w: w, trees=True)
+    ctrl = make_controller(SimpleNamespace(**{**vars(d), "method": "suffix"}), suffix)
+    assert isinstance(ctrl, AdaptiveK) and ctrl.max_leaves == 3 and ctrl.expand_rows == 0
 
 
 def test_reset_forgets_the_probe_backoff_and_the_next_round_but_keeps_the_costs():
