@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.model.group_graphs import GroupGraphs, StackGraphs
+from engine.model.group_graphs import GroupGraphs, StackCall, StackGraphs
 from engine.model.stack import Forward
 from engine.model.tree_attention import Tree, tree_mask
 from engine.transfer import to_device
@@ -242,8 +242,7 @@ class FastForward:
             last[s] = n - 1
         slot_t = p.slot_t
         self.calls += 1
-        logits, tapped, output = self.whole(
-            self.runner,
+        call = StackCall(
             p.ids,
             to_device(p.pos, None, dev),
             to_device(p.write_pos, None, dev),
@@ -252,6 +251,7 @@ class FastForward:
             to_device(last, torch.long, dev),
             p.x,
         )
+        logits, tapped, output = self.whole(self.runner, call)
         return Forward(
             logits[slot_t],
             tapped[slot_t, :q] if tapped is not None else None,
@@ -363,7 +363,7 @@ class FastForward:
         last = torch.zeros(nb, dtype=torch.long, device=dev)
         kv_idx = torch.arange(kv_len, device=dev)
         pos, write_pos = to_device(pos, None, dev), to_device(write_pos, None, dev)
-        self.whole(self.runner, ids, pos, write_pos, rows, kv_idx, last, x)
+        self.whole(self.runner, StackCall(ids, pos, write_pos, rows, kv_idx, last, x))
 
     def warm_up(self) -> None:
         """Run every (batch, q) bucket once on scratch positions (compiles them). Nothing

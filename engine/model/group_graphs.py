@@ -26,7 +26,7 @@ Dtypes and devices are the runner's, fixed. Each key's graph is a ``torch.compil
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -116,27 +116,30 @@ class GroupGraphs:
                 dynamo.mark_dynamic(t, d)
 
 
+class StackCall(NamedTuple):
+    """One call of a whole one-group stack over slots ``[0, nb)``, causally (:func:`stack_last`)."""
+
+    ids: torch.Tensor  # [nb, qb]
+    pos: torch.Tensor  # [nb, qb] each query's position
+    write_pos: torch.Tensor  # [nb, qb] the cache column its K/V is written to
+    rows: torch.Tensor  # [nb] arange: row r is slot r
+    kv_idx: torch.Tensor  # [kv_len] arange: the keys read
+    last: torch.Tensor  # [nb] the query whose logits and output are returned
+    x: torch.Tensor | None  # [nb, qb, width] the input adapter's other input
+
+
 def stack_last(
-    stack: Stack,
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    write_pos: torch.Tensor,
-    rows: torch.Tensor,
-    kv_idx: torch.Tensor,
-    last: torch.Tensor,
-    x: torch.Tensor | None,
+    stack: Stack, c: StackCall
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The whole of a one-group ``stack`` over slots ``[0, nb)`` (``rows``: their arange),
-    causally, as the fast path calls it (engine/model/compiled.py's ``FastForward.run_last``):
-    ids, pos, write_pos ``[nb, qb]``, keys read up to ``len(kv_idx)``, x ``[nb, qb, width]`` the
-    input adapter's other input. Returns, as ``stack.output`` makes them at query ``last[r]`` of
-    each row ``[nb]``: the logits ``[nb, vocab]``, the tapped inputs (every query's) and the
-    output fed back ``[nb, hidden]`` (or None)."""
+    """The whole of a one-group ``stack`` over ``c``'s rows, as the fast path calls it
+    (engine/model/compiled.py's ``FastForward.run_last``). Returns, as ``stack.output`` makes
+    them at query ``c.last[r]`` of each row: the logits ``[nb, vocab]``, the tapped inputs
+    (every query's) and the output fed back ``[nb, hidden]`` (or None)."""
     n = len(stack.weights)
     h, tapped = stack.layers_forward(
-        ids, pos, write_pos, rows, kv_idx, 0, group_fn=layer_group, group_size=n, x=x
+        c.ids, c.pos, c.write_pos, c.rows, c.kv_idx, 0, group_fn=layer_group, group_size=n, x=c.x
     )
-    f = stack.output(h[rows, last], tapped)  # at [nb, hidden]
+    f = stack.output(h[c.rows, c.last], tapped)  # at [nb, hidden]
     return f.logits, f.tapped, f.output
 
 
@@ -151,19 +154,11 @@ class StackGraphs:
         self.graphs: dict[tuple, Callable] = {}  # graph key -> its compiled stack_last
 
     def __call__(
-        self,
-        stack: Stack,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        write_pos: torch.Tensor,
-        rows: torch.Tensor,
-        kv_idx: torch.Tensor,
-        last: torch.Tensor,
-        x: torch.Tensor | None,
+        self, stack: Stack, c: StackCall
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        B, q = ids.shape
+        B, q = c.ids.shape
         dims = (B == 1, q == 1) if self.dynamic else (B, q)
-        key = (dims, None if x is None else x.shape[-1])
+        key = (dims, None if c.x is None else c.x.shape[-1])
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = compile_guardless(
@@ -173,15 +168,15 @@ class StackGraphs:
 
             # the key length always; batch and q with dynamic shapes (sizes above 1: the key
             # holds whether they are 1)
-            marks: list[tuple[torch.Tensor, int]] = [(kv_idx, 0)]
+            marks: list[tuple[torch.Tensor | None, int]] = [(c.kv_idx, 0)]
             if self.dynamic:
-                marks += [(ids, 0), (ids, 1), (pos, 0), (pos, 1), (write_pos, 0)]
-                marks += [(write_pos, 1), (rows, 0), (last, 0)]
-                marks += [(x, 0), (x, 1)] if x is not None else []
+                for t in (c.ids, c.pos, c.write_pos, c.x):
+                    marks += [(t, 0), (t, 1)]
+                marks += [(c.rows, 0), (c.last, 0)]
             for t, d in marks:
-                if t.shape[d] > 1:
+                if t is not None and t.shape[d] > 1:
                     dynamo.mark_dynamic(t, d)
-        return fn(stack, ids, pos, write_pos, rows, kv_idx, last, x)
+        return fn(stack, c)
 
 
 def compile_guardless(
