@@ -31,7 +31,6 @@ counts the tokens after the first over the time from the first streamed content 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ import httpx
 
 from engine.config import EngineConfig
 from engine.model.loader import resolve_source
-from loadtest.bench.multiturn import chunks, dialogues, grown
+from loadtest.bench.multiturn import chunks, dialogues, grown, turn
 from loadtest.machine import cpu_description
 from loadtest.server_proc import HOST, spawn, specd_argv
 
@@ -56,42 +55,17 @@ def messages(history: list[tuple[str, str]], user: str) -> list[dict]:
 
 
 def send(base: str, model: str, msgs: list[dict], max_tokens: int, extra: dict) -> dict:
-    """One streamed chat request: TTFT, decode tok/s after the first token, usage."""
-    body = {
-        "model": model,
-        "messages": msgs,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **extra,
-    }
-    t0 = time.perf_counter()
-    first = last = None
-    usage: dict = {}
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or []):
-                last = time.perf_counter()
-                first = first if first is not None else last
-    if first is None or last is None or last <= first:
+    """One streamed chat request with ignore_eos: TTFT, decode tok/s after the first token,
+    usage."""
+    r = turn(base, model, msgs, max_tokens, {"ignore_eos": True, **extra})
+    if r["last_s"] <= r["ttft_s"]:
         raise RuntimeError("fewer than two streamed contents: no decode speed")
-    tokens = usage.get("completion_tokens", 0)
-    details = usage.get("prompt_tokens_details") or {}
     return {
-        "ttft_s": first - t0,
-        "decode_tok_s": (tokens - 1) / (last - first),
-        "completion_tokens": tokens,
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "cached_tokens": details.get("cached_tokens"),
+        "ttft_s": r["ttft_s"],
+        "decode_tok_s": (r["completion_tokens"] - 1) / (r["last_s"] - r["ttft_s"]),
+        "completion_tokens": r["completion_tokens"],
+        "prompt_tokens": r["prompt_tokens"],
+        "cached_tokens": r["cached_tokens"],
     }
 
 

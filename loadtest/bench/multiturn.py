@@ -85,8 +85,11 @@ def grown(base: list[tuple[str, str]], filler: list[list[tuple[str, str]]], toke
     return history, base
 
 
-def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat request: TTFT (to the first content), completion tokens, usage."""
+def turn(
+    base: str, model: str, messages: list[dict], max_tokens: int, extra: dict | None = None
+) -> dict:
+    """One streamed chat request (``extra``: more fields of its body): TTFT and the time to the
+    last content, completion tokens, usage."""
     body = {
         "model": model,
         "messages": messages,
@@ -94,10 +97,12 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     t0 = time.perf_counter()
-    ttft, chunks, usage, text = None, 0, None, []
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as r:
+    ttft = last = None
+    chunks, usage, text = 0, None, []
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=900) as r:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
@@ -110,8 +115,8 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
                 if (c.get("delta") or {}).get("content"):
                     text.append(c["delta"]["content"])
                     chunks += 1
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
+                    last = time.perf_counter() - t0
+                    ttft = last if ttft is None else ttft
     done = time.perf_counter() - t0
     tokens = (usage or {}).get("completion_tokens") or chunks
     details = (usage or {}).get("prompt_tokens_details") or {}
@@ -120,6 +125,7 @@ def turn(base: str, model: str, messages: list[dict], max_tokens: int) -> dict:
         "drafted": spec.get("drafted_tokens", 0),
         "accepted": spec.get("accepted_tokens", 0),
         "ttft_s": ttft if ttft is not None else done,
+        "last_s": last if last is not None else done,  # the last content's arrival
         "s": done,
         "completion_tokens": tokens,
         "prompt_tokens": (usage or {}).get("prompt_tokens"),

@@ -20,7 +20,7 @@ class Lines:
 
 
 def test_decode_speed_excludes_the_prefill_and_counts_the_usage(monkeypatch):
-    clock = iter([0.0, 2.0, 2.5, 3.0])  # sent, first content (TTFT 2 s), two more contents
+    clock = iter([0.0, 2.0, 2.5, 3.0, 3.1])  # sent, first content (TTFT 2 s), two more, done
     monkeypatch.setattr(long_context.time, "perf_counter", lambda: next(clock))
     bodies = []
     chunk = 'data: {"choices": [{"delta": {"content": "x"}}]}'
