@@ -235,27 +235,15 @@ class FastForward:
         padded = self._pad(ids, slots, starts, counts, x)
         if padded is None:
             return None
-        p, dev, q = padded, self.runner.device, ids.shape[1]
-        nb = p.ids.shape[0]
-        last = [0] * nb  # each row's last valid query (padding rows: 0)
+        p, q = padded, ids.shape[1]
+        last = [0] * p.ids.shape[0]  # each row's last valid query (padding rows: 0)
         for s, n in zip(slots, counts):
             last[s] = n - 1
-        slot_t = p.slot_t
-        self.calls += 1
-        call = StackCall(
-            p.ids,
-            to_device(p.pos, None, dev),
-            to_device(p.write_pos, None, dev),
-            torch.arange(nb, device=dev),
-            torch.arange(p.kv_len, device=dev),
-            to_device(last, torch.long, dev),
-            p.x,
-        )
-        logits, tapped, output = self.whole(self.runner, call)
+        logits, tapped, output = self._call_whole(p.ids, p.pos, p.write_pos, p.kv_len, last, p.x)
         return Forward(
-            logits[slot_t],
-            tapped[slot_t, :q] if tapped is not None else None,
-            output[slot_t] if output is not None else None,
+            logits[p.slot_t],
+            tapped[p.slot_t, :q] if tapped is not None else None,
+            output[p.slot_t] if output is not None else None,
         )
 
     def _pad(
@@ -343,6 +331,33 @@ class FastForward:
             x=x,
         )
 
+    def _call_whole(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_len: int,
+        last: list[int],
+        x: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The whole stack's graph over slots ``[0, nb)``, as :meth:`_call` runs the group
+        graphs: ids ``[nb, qb]`` on the device, pos and write_pos ``[nb, qb]`` host tensors,
+        keys read up to ``kv_len``; the logits, tapped inputs and output at query ``last[r]``
+        of each row (group_graphs.py's ``stack_last``)."""
+        assert self.whole is not None
+        dev, nb = self.runner.device, ids.shape[0]
+        self.calls += 1
+        call = StackCall(
+            ids,
+            to_device(pos, None, dev),
+            to_device(write_pos, None, dev),
+            torch.arange(nb, device=dev),
+            torch.arange(kv_len, device=dev),
+            to_device(last, torch.long, dev),
+            x,
+        )
+        return self.whole(self.runner, call)
+
     # -- start-up -------------------------------------------------------------------------------
     def _warm(
         self,
@@ -357,13 +372,8 @@ class FastForward:
         compile at their first call), else the group graphs."""
         if self.whole is None:
             self._call(ids, pos, write_pos, kv_len, x=x)
-            return
-        dev, nb = self.runner.device, ids.shape[0]
-        rows = torch.arange(nb, device=dev)
-        last = torch.zeros(nb, dtype=torch.long, device=dev)
-        kv_idx = torch.arange(kv_len, device=dev)
-        pos, write_pos = to_device(pos, None, dev), to_device(write_pos, None, dev)
-        self.whole(self.runner, StackCall(ids, pos, write_pos, rows, kv_idx, last, x))
+        else:
+            self._call_whole(ids, pos, write_pos, kv_len, [0] * ids.shape[0], x)
 
     def warm_up(self) -> None:
         """Run every (batch, q) bucket once on scratch positions (compiles them). Nothing

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -40,6 +40,8 @@ from engine.model.stack import Forward, StackSpec, TokenInput
 from engine.model.tree_attention import Tree, tree_inputs
 from engine.model.weights import LayerWeights, ModelWeights, dense_weights
 from engine.transfer import to_device
+
+T = TypeVar("T")  # what a fast path call returns (ModelRunner._on_fast)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -260,11 +262,12 @@ class ModelRunner:
             starts = self._starts(slots)
             self._reserve(slots, starts, counts)
             return Forward(*batch_invariant.forward(self, ids, slots, starts, counts, logits))
-        if logits == "last" and tree is None:
-            whole = self._whole(ids, slots, counts, x)
+        starts = self._place(slots, counts)
+        if logits == "last" and tree is None:  # the whole stack's graph, where there is one
+            whole = self._on_fast(lambda f: f.run_last(ids, slots, starts, counts, x))
             if whole is not None:
                 return whole
-        h, tapped = self._stack(ids, slots, counts, tree, x)  # [batch, q, hidden]
+        h, tapped = self._stack(ids, slots, starts, counts, tree, x)  # [batch, q, hidden]
         if logits == "last":
             B, dev = len(slots), self.device
             last = to_device([n - 1 for n in counts], torch.long, dev)
@@ -313,7 +316,7 @@ class ModelRunner:
             starts = self._starts(slots)
             self._reserve(slots, starts, counts)
             return Hidden(*batch_invariant.forward(self, ids, slots, starts, counts, "hidden"))
-        return Hidden(*self._stack(ids, slots, counts))
+        return Hidden(*self._stack(ids, slots, self._place(slots, counts), counts))
 
     def _ids(
         self, tokens: list[list[int]] | torch.Tensor, counts: list[int] | None
@@ -337,48 +340,43 @@ class ModelRunner:
         for s, st, n in zip(slots, starts, counts):
             self.cache.reserve(s, st + n)
 
-    def _whole(
-        self, ids: torch.Tensor, slots: list[int], counts: list[int], x: torch.Tensor | None
-    ) -> Forward | None:
-        """The forward through the fast path's whole-stack graph (``CompileConfig.whole_stack``),
-        logits at each row's last query; None where it has none or the shape is outside its
-        buckets (then :meth:`_stack` runs it)."""
-        fast = self._fast
-        if fast is None or fast.whole is None or self._eager_only:
-            return None
+    def _place(self, slots: list[int], counts: list[int]) -> list[int]:
+        """Each row's start (its committed length), with room reserved in its slot for the
+        ``counts`` positions the forward writes; refuses a forward past the cache's max_len."""
         starts = self._starts(slots)
         if max(s + n for s, n in zip(starts, counts)) > self.cache.max_len:
-            return None  # _stack refuses it
+            raise ValueError("forward past the cache's max_len")
         self._reserve(slots, starts, counts)
+        return starts
+
+    def _on_fast(self, call: Callable[[FastForward], T | None]) -> T | None:
+        """``call`` on the fast path, or None where there is none (eager only, or dropped), the
+        shape is outside its buckets, or it fails (then it is dropped, with a warning, and the
+        eager forward the caller runs instead rewrites every position it wrote)."""
+        if self._fast is None or self._eager_only:
+            return None
         try:
-            return fast.run_last(ids, slots, starts, counts, x)
+            return call(self._fast)
         except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
-            self._drop_fast(e)  # the eager forward rewrites every position it wrote
+            self._drop_fast(e)
             return None
 
     def _stack(
         self,
         ids: torch.Tensor,
         slots: list[int],
+        starts: list[int],
         counts: list[int],
         tree: Tree | None = None,
         x: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack, through the fast path when it takes the shape: final-normed hidden
-        states ``[batch, q, hidden]`` (a stack that feeds its output back: the output) and the
-        tapped inputs."""
-        starts = self._starts(slots)
+        """The decoder stack over rows placed at ``starts`` (:meth:`_place`), through the fast
+        path when it takes the shape: final-normed hidden states ``[batch, q, hidden]`` (a stack
+        that feeds its output back: the output) and the tapped inputs."""
+        out = self._on_fast(lambda f: f.run(ids, slots, starts, counts, tree, x))
+        if out is not None:
+            return out
         kv_len = max(s + n for s, n in zip(starts, counts))
-        if kv_len > self.cache.max_len:
-            raise ValueError("forward past the cache's max_len")
-        self._reserve(slots, starts, counts)
-        if self._fast is not None and not self._eager_only:
-            try:  # None when the shape is outside the buckets
-                out = self._fast.run(ids, slots, starts, counts, tree, x)
-                if out is not None:
-                    return out
-            except Exception as e:  # noqa: BLE001 -- a compile failure falls back to eager
-                self._drop_fast(e)  # the eager forward below rewrites every position it wrote
         with varying_shape_attention(self.device):  # shapes vary: no per-shape cuDNN plans
             return self._eager_rows(ids, slots, starts, counts, kv_len, tree, x)
 
