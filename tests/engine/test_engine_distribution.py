@@ -427,6 +427,22 @@ def tree_head(target):
     return random_head(5, vocab=V, draft_vocab=6, layers=t.num_hidden_layers, hidden=t.hidden_size)
 
 
+def spied_trees(engine, monkeypatch, temperature, top_k, top_p, n):
+    """``n`` copies of PROMPT sampled through ``engine`` at K (ignore_eos), checked to have
+    speculated; returns the outputs, their tree rounds and leaf hits, and per round the accepted
+    nodes below a runner-up or branch (spy_deep_paths) and the closed form's calls
+    (spy_closed_walk)."""
+    deep = spy_deep_paths(monkeypatch)
+    closed = spy_closed_walk(monkeypatch)
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    seqs = engine.generate([PROMPT] * n, params, SpecParams(k=K))
+    assert_speculated(seqs, min_drafted=n)
+    trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+    return seqs, trees, hits, deep, closed
+
+
 def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None, topk=0):
     """``n`` unseeded requests (a seeded row stays a chain: draft_tree.may_grow) with trees of
     ``LEAVES`` leaves at K; the engine's seed source fixed. ``wrong(monkeypatch)`` breaks it.
@@ -438,14 +454,7 @@ def sample_trees(target, monkeypatch, temperature, top_k, top_p, n=N, wrong=None
         target, "eagle3", **SIZES, head=tree_head(target), controller=FixedK(K, LEAVES),
         tree_topk=topk,
     )  # fmt: skip
-    deep = spy_deep_paths(monkeypatch)  # accepted nodes below a runner-up, per round
-    closed = spy_closed_walk(monkeypatch)
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
-    )
-    seqs = engine.generate([PROMPT] * n, params, SpecParams(k=K))
-    assert_speculated(seqs, min_drafted=n)
-    trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+    seqs, trees, hits, deep, closed = spied_trees(engine, monkeypatch, temperature, top_k, top_p, n)
     assert trees >= n and hits > n // 100, (trees, hits)  # trees ran; leaves were taken
     assert (sum(deep) > n // 100) == bool(topk), sum(deep)  # the expansion's nodes were taken
     if wrong is None:  # an expanded tree's sampled rows take the closed form; drawn ones never
@@ -517,14 +526,7 @@ def sample_suffix_trees(models, monkeypatch, temperature, top_k, top_p, n=N, wro
     if wrong is not None:
         wrong(monkeypatch)
     engine = engine_for(models, "suffix", **SIZES, controller=FixedK(K, LEAVES))
-    deep = spy_deep_paths(monkeypatch)  # accepted nodes below a branch, per round
-    closed = spy_closed_walk(monkeypatch)
-    params = SamplingParams(
-        temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=MAX_TOKENS, ignore_eos=True
-    )
-    seqs = engine.generate([PROMPT] * n, params, SpecParams(k=K))
-    assert_speculated(seqs, min_drafted=n)
-    trees, hits = sum(s.tree_rounds for s in seqs), sum(s.leaf_hits for s in seqs)
+    seqs, trees, hits, deep, closed = spied_trees(engine, monkeypatch, temperature, top_k, top_p, n)
     assert trees >= n // 2 and hits > n // 100, (trees, hits)  # trees ran; branches were taken
     assert sum(deep) > 0, sum(deep)  # ... and nodes below a branch
     assert engine.drafter.shared_drafts > n // 10
